@@ -1,0 +1,24 @@
+# Quick start: `make demo` runs the demo, `make test` runs the suite. Each sets itself up first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.hf_paged-installed
+
+.PHONY: demo test bench setup clean
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	VENV=$(VENV) bash scripts/bootstrap.sh
+	@touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/generate_bench.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,477 @@
+"""`PagedCache`: a transformers `Cache` whose K/V live in a pool of fixed-size blocks.
+
+KV layout (one pair of tensors per layer, shared block ids across layers):
+
+    key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+           block 0          block 1          block 2          block 3
+        +----------------+----------------+----------------+----------------+
+        | a0 a1 ... a15  | b0 b1 .. b9 __ | a16 a17 __ ... |      free      |
+        +----------------+----------------+----------------+----------------+
+
+    block_tables (one row per sequence)     slot = block_id * block_size + offset
+        seq a: [0, 2]   -> token a17 is slot 2 * 16 + 1 = 33
+        seq b: [1]
+
+Nothing is sized for the maximum length: a sequence holds ceil(len / block_size) blocks, so waste
+is at most block_size - 1 tokens per sequence, and padding in a batch holds no slot at all.
+Sequences that share a prompt share its full blocks (prefix caching, hash-chained) and forks share
+everything until one of them writes (copy-on-write).
+
+This class is the only owner of KV tensors. Bookkeeping (which block, which slot) is delegated to
+the torch-free `BlockManager`; `plan_step` turns its answers into one `StepMetadata` per forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import kernels
+from .block_pool import BlockManager, BlockPool, NoFreeBlocksError
+from .config import PagedCacheConfig
+from .metadata import DENSE, PAGED, StepMetadata, build_step_metadata
+from .sequence import Sequence
+
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+_GROWTH_FACTOR = 1.5  # amortises pool reallocation; the pool is at most this much larger than needed
+
+
+def check_model_supported(config) -> None:
+    """Raise ValueError naming what a model config needs that a paged cache cannot give."""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"hf_paged does not support encoder-decoder models (model_type={config.model_type!r}); "
+            "use a decoder-only causal LM"
+        )
+    text = config.get_text_config(decoder=True)
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    unsupported = sorted({t for t in layer_types if t not in _SUPPORTED_LAYER_TYPES})
+    if unsupported:
+        raise ValueError(
+            f"hf_paged does not support model_type={text.model_type!r}: its layer types {unsupported} are "
+            f"not plain attention (supported: {_SUPPORTED_LAYER_TYPES})"
+        )
+    if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):
+        raise ValueError(f"hf_paged does not support cross-layer KV sharing (model_type={text.model_type!r})")
+    if getattr(text, "num_key_value_heads", None) is None and getattr(text, "num_attention_heads", None) is None:
+        raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}")
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's K/V blocks. Allocated on the layer's first `update`, on the device and with the
+    head shape of the states it receives; resized only when the shared pool grows."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: "PagedCache", is_sliding: bool = False):
+        super().__init__()
+        self._cache = cache
+        self.is_sliding = is_sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cache = self._cache
+        num_blocks, block_size = cache.pool.num_blocks, cache.block_size
+        dtype = cache.kv_dtype or key_states.dtype
+        self.device = key_states.device
+        # zeros, not empty: padding columns of the dense path read never-written slots
+        self.keys = torch.zeros(num_blocks, block_size, key_states.shape[1], key_states.shape[3], dtype=dtype,
+                                device=self.device)
+        self.values = torch.zeros(num_blocks, block_size, value_states.shape[1], value_states.shape[3],
+                                  dtype=dtype, device=self.device)
+        self.is_initialized = True
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow the block dimension to `num_blocks`, keeping existing blocks (pool growth only)."""
+        if not self.is_initialized or self.keys.shape[0] == num_blocks:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(num_blocks, *old.shape[1:])
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys[dst.to(self.device)] = self.keys[src.to(self.device)]
+            self.values[dst.to(self.device)] = self.values[src.to(self.device)]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("PagedLayer is written through PagedCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+
+class PagedCache(Cache):
+    """A paged KV cache for transformers models; a drop-in for `DynamicCache`.
+
+    Args:
+        config: the model's `PretrainedConfig` (its text config is used).
+        cache_config: a `PagedCacheConfig`; keyword overrides build one when omitted, e.g.
+            `PagedCache(model.config, block_size=32, num_blocks=256)`.
+
+    With `attn_implementation="hf_paged"` attention reads K/V straight from the blocks. With any other
+    implementation `update()` returns the gathered, contiguous `[batch, kv_heads, kv_len, head_dim]`
+    K/V that implementation expects (correct, slower).
+
+    Padding is never stored when the forward goes through a model attached with `hf_paged.attach`
+    (which `generate` does automatically): pad columns get slot -1. Rows must be left-padded, the
+    layout `generate` uses for decoder-only models.
+    """
+
+    def __init__(self, config, cache_config: PagedCacheConfig | None = None, **overrides):
+        if cache_config is not None and overrides:
+            raise TypeError("pass either cache_config or keyword overrides, not both")
+        check_model_supported(config)
+        self.cache_config = cache_config or PagedCacheConfig(**overrides)
+        text = config.get_text_config(decoder=True)
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        super().__init__(layers=[PagedLayer(self, is_sliding=t == "sliding_attention") for t in layer_types])
+        self.block_size = self.cache_config.block_size
+        kv = self.cache_config.kv_cache_dtype
+        self.kv_dtype = None if kv == "auto" else getattr(torch, kv)
+        num_attention_heads = getattr(text, "num_attention_heads", 1)
+        self._config_num_kv_heads = getattr(text, "num_key_value_heads", None) or num_attention_heads
+        self._config_head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_attention_heads
+        self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
+        self.manager = BlockManager(self.pool, self.block_size)
+        self.seqs: list[Sequence] = []
+        self._num_columns = 0  # what transformers sees as the cache length (padding included)
+        self._step: StepMetadata | None = None
+        self._next_seq_id = 0
+        self._weights_epoch = 0
+        self._weights_fingerprint = None
+        self._max_num_blocks_cache: int | None = None
+
+    # ------------------------------------------------------------------ transformers' Cache API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._num_columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._num_columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._num_columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs) if self.seqs else -1
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Store this step's K/V for `layer_idx` and return what the attention needs.
+
+        Args:
+            key_states, value_states: [batch, num_kv_heads, q_len, head_dim] new states.
+
+        Returns:
+            PAGED steps: the layer's `[num_blocks, block_size, num_kv_heads, head_dim]` K and V blocks.
+            DENSE steps: gathered `[batch, num_kv_heads, kv_len, head_dim]` K and V, zero at padding.
+        """
+        step = self._step
+        if step is None or layer_idx in step.layers_done:
+            # No pre-forward plan (a model not attached via hf_paged.attach): plan from the shapes.
+            # Padding is unknown here, so every column is stored and the dense path masks it.
+            step = self.plan_step(batch_size=key_states.shape[0], q_len=key_states.shape[2], mode=DENSE,
+                                  device=key_states.device, dtype=key_states.dtype)
+        if not step.layers_done:
+            self._num_columns = step.num_columns
+        step.layers_done.add(layer_idx)
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        slot_mapping = step.slot_mapping.to(layer.device)
+        kernels.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping)
+        if step.mode == PAGED:
+            return layer.keys, layer.values
+        return self._gather_dense(layer, step, key_states.dtype)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row `i` continues old row `beam_idx[i]`; repeated rows share blocks (CoW)."""
+        self._reindex(beam_idx.tolist())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(indices.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reindex([row for row in range(len(self.seqs)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens of every row (assisted/speculative rollback),
+        releasing blocks that no longer hold any token."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}) with a positive value is not supported; pass a negative number of "
+                "tokens to remove"
+            )
+        n = -tokens_to_remove
+        if n == 0:
+            return
+        if n > self._num_columns:
+            raise ValueError(f"cannot crop {n} tokens from a cache holding {self._num_columns}")
+        short = [i for i, seq in enumerate(self.seqs) if seq.num_tokens < n]
+        if short:
+            raise ValueError(f"cannot crop {n} tokens: rows {short} hold fewer real (non-padding) tokens")
+        for seq in self.seqs:
+            self.manager.truncate(seq, n)
+        self._num_columns -= n
+        self._step = None
+
+    def reset(self) -> None:
+        """Forget every sequence. Their full blocks stay in the prefix cache for later requests."""
+        for seq in self.seqs:
+            self.manager.free(seq)
+        self.seqs = []
+        self._num_columns = 0
+        self._step = None
+
+    # ------------------------------------------------------------------ planning
+    def plan_step(
+        self,
+        *,
+        batch_size: int,
+        q_len: int,
+        mode: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> StepMetadata:
+        """Allocate slots for one forward of a padded `[batch_size, q_len]` batch and build its metadata.
+
+        Args:
+            mode: PAGED (attention reads blocks) or DENSE (update returns gathered K/V).
+            input_ids: [batch_size, q_len] token ids, for prefix caching; None when unknown.
+            attention_mask: [batch_size, past + q_len] 2D padding mask (1 = real token), or None.
+
+        Raises:
+            ValueError: bad batch shape or padding layout, or a sequence that can never fit the pool.
+            NoFreeBlocksError: the pool (at its size limit) has too few free blocks right now.
+        """
+        if not self.seqs:
+            self.seqs = [self._new_sequence() for _ in range(batch_size)]
+        elif len(self.seqs) != batch_size:
+            raise ValueError(
+                f"the PagedCache holds {len(self.seqs)} sequences but this forward has batch size {batch_size}; "
+                "call cache.reset() before reusing it for another batch"
+            )
+        real_cols = self._real_columns(attention_mask, batch_size, q_len)
+        if input_ids is not None:
+            rows = input_ids.tolist()
+            new_tokens = [[rows[b][c] for c in cols] for b, cols in enumerate(real_cols)]
+        else:
+            new_tokens = [[-1] * len(cols) for cols in real_cols]
+            for seq, cols in zip(self.seqs, real_cols):
+                if len(cols):
+                    seq.is_cacheable = False
+        self._ensure_free_blocks(new_tokens, dtype)
+
+        slots, copies = [], []
+        for seq, tokens in zip(self.seqs, new_tokens):
+            result = self.manager.append_tokens(seq, tokens)
+            slots.append(result.slots)
+            copies.extend(result.copies)
+        self._apply_copies(copies)
+        self._step = build_step_metadata(
+            mode=mode,
+            q_len=q_len,
+            num_columns=self._num_columns + q_len,
+            real_cols=real_cols,
+            slots=slots,
+            block_tables=[seq.block_table for seq in self.seqs],
+            seq_lens=[seq.num_tokens for seq in self.seqs],
+            copies=copies,
+            device=device,
+        )
+        return self._step
+
+    def _real_columns(self, attention_mask, batch_size: int, q_len: int) -> list[range]:
+        """Per row, the columns of this step that hold real tokens, checking the left-padding rule."""
+        if attention_mask is None:
+            return [range(q_len)] * batch_size
+        expected = (batch_size, self._num_columns + q_len)
+        if attention_mask.dim() != 2 or tuple(attention_mask.shape) != expected:
+            raise ValueError(
+                f"attention_mask must be 2D with shape {expected} (batch, cached + new columns), got "
+                f"{tuple(attention_mask.shape)}"
+            )
+        new = attention_mask[:, attention_mask.shape[1] - q_len :].bool().cpu()
+        num_real = new.sum(dim=1)
+        left_padded = torch.arange(q_len)[None, :] >= (q_len - num_real)[:, None]
+        had_tokens = torch.tensor([seq.num_tokens > 0 for seq in self.seqs])
+        bad = (new != left_padded).any(dim=1) | (had_tokens & (num_real < q_len))
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten().tolist()
+            raise ValueError(
+                f"PagedCache needs left padding (padding only before a row's first real token; use "
+                f"tokenizer.padding_side='left'); rows {rows} have padding after real tokens"
+            )
+        return [range(q_len - n, q_len) for n in num_real.tolist()]
+
+    def _ensure_free_blocks(self, new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+        needs = [self.manager.num_blocks_needed(seq, len(t)) for seq, t in zip(self.seqs, new_tokens)]
+        needed = sum(needs)
+        if needed <= self.pool.num_free_blocks:
+            return
+        limit = self._max_num_blocks(dtype)
+        if limit is not None:
+            for seq, tokens in zip(self.seqs, new_tokens):
+                total = seq.num_tokens + len(tokens)
+                blocks = -(-total // self.block_size)
+                if blocks > limit:
+                    raise ValueError(
+                        f"a sequence of {total} tokens needs {blocks} blocks of {self.block_size} tokens, but the "
+                        f"KV pool holds at most {limit} ({self._limit_reason()}); raise it or shorten the prompt"
+                    )
+        target = self.pool.num_blocks + needed - self.pool.num_free_blocks
+        target = max(target, int(self.pool.num_blocks * _GROWTH_FACTOR))
+        if limit is not None:
+            target = min(target, limit)
+        if target - self.pool.num_blocks + self.pool.num_free_blocks < needed:
+            raise NoFreeBlocksError(
+                f"KV pool is full: this step needs {needed} free blocks, {self.pool.num_free_blocks} of "
+                f"{self.pool.num_blocks} are free and the pool cannot grow ({self._limit_reason()})"
+            )
+        self.pool.grow(target - self.pool.num_blocks)
+        for layer in self.layers:
+            layer.resize(self.pool.num_blocks)
+
+    def _max_num_blocks(self, dtype: torch.dtype) -> int | None:
+        cfg = self.cache_config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if cfg.max_kv_bytes is not None:
+            return max(cfg.max_kv_bytes // self.bytes_per_block(dtype), 0)
+        return None
+
+    def _limit_reason(self) -> str:
+        cfg = self.cache_config
+        if cfg.num_blocks is not None:
+            return f"num_blocks={cfg.num_blocks}"
+        return f"max_kv_bytes={cfg.max_kv_bytes}"
+
+    def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V one block takes across all layers."""
+        initialized = [layer for layer in self.layers if layer.is_initialized]
+        if len(initialized) == len(self.layers):
+            per_layer = [(layer.keys[0].numel() + layer.values[0].numel()) * layer.keys.element_size()
+                         for layer in self.layers]
+            return sum(per_layer)
+        dtype = self.kv_dtype or dtype or torch.float32
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        per_layer = 2 * self.block_size * self._config_num_kv_heads * self._config_head_dim * itemsize
+        return per_layer * len(self.layers)
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long)
+        for layer in self.layers:
+            layer.copy_blocks(src, dst)
+
+    def _gather_dense(self, layer: PagedLayer, step: StepMetadata, dtype: torch.dtype):
+        """[batch, kv_heads, num_columns, head_dim] K/V in column order, zeros at padding columns."""
+        device = layer.device
+        columns = torch.arange(step.num_columns, device=device)
+        tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
+        valid = tok >= 0
+        tok = tok.clamp(min=0)
+        blocks = step.block_tables.to(device).long().gather(1, tok // self.block_size)
+        slots = blocks * self.block_size + tok % self.block_size
+        out = []
+        for blocks_tensor in (layer.keys, layer.values):
+            gathered = blocks_tensor.flatten(0, 1)[slots].to(dtype)  # [batch, num_columns, heads, dim]
+            gathered = gathered.masked_fill(~valid[:, :, None, None], 0)
+            out.append(gathered.transpose(1, 2).contiguous())
+        return out[0], out[1]
+
+    # ------------------------------------------------------------------ sequences
+    def _new_sequence(self) -> Sequence:
+        self._next_seq_id += 1
+        return Sequence(seq_id=self._next_seq_id, extra_key=(self.cache_config.cache_salt, self._weights_epoch))
+
+    def _reindex(self, rows: list[int]) -> None:
+        if not self.seqs:
+            return
+        old = self.seqs
+        bad = [r for r in rows if not 0 <= r < len(old)]
+        if bad:
+            raise ValueError(f"row indices {bad} are out of range for a cache of {len(old)} sequences")
+        taken: set[int] = set()
+        new = []
+        for r in rows:
+            if r in taken:
+                self._next_seq_id += 1
+                new.append(self.manager.fork(old[r], self._next_seq_id))
+            else:
+                taken.add(r)
+                new.append(old[r])
+        for r, seq in enumerate(old):
+            if r not in taken:
+                self.manager.free(seq)
+        self.seqs = new
+        self._step = None
+
+    def note_weights(self, fingerprint) -> None:
+        """Called before each step with a fingerprint of the model's weights. If they changed since
+        the last step, cached prefixes were computed with other weights: forget them, and salt new
+        sequences with a new epoch so nothing computed before can ever be hit again."""
+        if self._weights_fingerprint is not None and fingerprint != self._weights_fingerprint:
+            self.pool.reset_prefix_cache()
+            self._weights_epoch += 1
+        self._weights_fingerprint = fingerprint
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Memory accounting.
+
+        Returns a dict with:
+            block_size, num_seqs, num_tokens (stored, summed over sequences),
+            num_blocks (pool capacity), num_used_blocks (held by live sequences),
+            num_shared_blocks (held by more than one sequence), num_cached_blocks (hashed, reusable),
+            prefix_cache_hits (blocks taken from the cache instead of recomputed),
+            bytes_per_token, kv_bytes (used blocks), kv_bytes_reserved (whole pool),
+            waste_tokens (allocated but empty slots, summed over sequences), max_waste_tokens_per_seq.
+        """
+        bs = self.block_size
+        used = {b for seq in self.seqs for b in seq.block_table}
+        shared = {b for b in used if self.pool.ref_count(b) > 1}
+        waste = [len(seq.block_table) * bs - seq.num_tokens for seq in self.seqs]
+        bpb = self.bytes_per_block() if any(layer.is_initialized for layer in self.layers) else 0
+        return {
+            "block_size": bs,
+            "num_seqs": len(self.seqs),
+            "num_tokens": sum(seq.num_tokens for seq in self.seqs),
+            "num_blocks": self.pool.num_blocks,
+            "num_used_blocks": len(used),
+            "num_shared_blocks": len(shared),
+            "num_cached_blocks": self.pool.num_cached_blocks,
+            "prefix_cache_hits": self.pool.num_prefix_hits,
+            "bytes_per_token": bpb // bs,
+            "kv_bytes": len(used) * bpb,
+            "kv_bytes_reserved": self.pool.num_blocks * bpb,
+            "waste_tokens": sum(waste),
+            "max_waste_tokens_per_seq": max(waste, default=0),
+        }

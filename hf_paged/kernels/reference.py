@@ -1,0 +1,119 @@
+"""Torch reference implementations of the paged-attention kernels.
+
+These are the CPU path of the "hf_paged" attention and the oracle for the Triton kernels. They are
+vectorised over sequences and tokens (no Python loop over either), and they gather K/V through the
+block table exactly as the kernels read it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
+) -> None:
+    """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    max_seqlen_k: int,
+) -> torch.Tensor:  # [num_seqs, max_seqlen_k, num_kv_heads, head_dim]
+    """Read positions 0..max_seqlen_k-1 of every sequence through its block table. Positions past a
+    sequence's length come from whatever block the (padded) table names; callers mask them."""
+    block_size = cache.shape[1]
+    pos = torch.arange(max_seqlen_k, device=cache.device)
+    blocks = block_tables[:, pos // block_size].long()
+    slots = blocks * block_size + pos % block_size
+    return cache.flatten(0, 1)[slots]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Causal attention of each sequence's new queries over its cached prefix plus themselves.
+
+    Query `i` of sequence `b` sits at position `seq_lens[b] - q_len[b] + i`. It sees key positions
+    `p <= pos` and, with a sliding window `w`, only `p > pos - w` (the transformers convention).
+    Softcapping (`softcap * tanh(s / softcap)`) is applied to the scaled scores before masking, and
+    a sink adds one extra logit per head to the softmax denominator that attends to nothing.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    out = query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
+    if num_tokens == 0 or max_seqlen_k == 0:
+        return out
+    device = query.device
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    q_idx = torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[seq_ids]
+
+    q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
+    q_pad[seq_ids, q_idx] = query
+    keys = gather_kv(key_cache, block_tables, max_seqlen_k).to(query.dtype)
+    values = gather_kv(value_cache, block_tables, max_seqlen_k).to(query.dtype)
+
+    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)  # [S, Qmax]
+    k_pos = torch.arange(max_seqlen_k, device=device)
+    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Qmax, Kmax]
+    if sliding_window is not None:
+        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    # Query rows past a sequence's q_len are padding: let them see key 0 so no row is all -inf.
+    is_pad_row = torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]
+    allowed[..., 0] |= is_pad_row
+
+    q = q_pad.transpose(1, 2)  # [S, Hq, Qmax, D]
+    k = keys.transpose(1, 2)  # [S, Hkv, Kmax, D]
+    v = values.transpose(1, 2)
+    if softcap is None and sinks is None:
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=num_q_heads != num_kv_heads
+        )
+    else:
+        o = _attention_math(q, k, v, allowed, scale, softcap, sinks)
+    return o.transpose(1, 2)[seq_ids, q_idx]
+
+
+def _attention_math(q, k, v, allowed, scale, softcap, sinks):
+    """Explicit softmax attention in fp32, for the features SDPA lacks (softcap, sinks)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

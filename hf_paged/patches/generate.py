@@ -1,0 +1,105 @@
+"""`generate` picks a `PagedCache` for models loaded with `attn_implementation="hf_paged"`.
+
+transformers has no registry for cache classes, so this wraps one private method,
+`GenerationMixin._prepare_cache_for_generation`: after it ran, a default `DynamicCache` is swapped
+for a `PagedCache` when the model uses "hf_paged", and any `PagedCache` in play is attached
+(`hf_paged.hooks.attach`). Everything else generate does is untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import transformers
+from packaging.version import Version
+from transformers import DynamicCache
+from transformers.generation.utils import GenerationMixin
+
+from ..cache import PagedCache
+from ..config import PagedCacheConfig
+from ..hooks import attach
+
+logger = logging.getLogger(__name__)
+
+# The range this patch was written and tested against (pyproject.toml declares the same).
+SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
+_TARGET = "_prepare_cache_for_generation"
+_original = None
+
+
+def is_supported_version(version: str | None = None) -> bool:
+    v = Version(version or transformers.__version__)
+    low, high = SUPPORTED_TRANSFORMERS
+    return low <= Version(v.base_version) < high
+
+
+def is_installed() -> bool:
+    return _original is not None
+
+
+def install() -> bool:
+    """Wrap `_prepare_cache_for_generation`. Idempotent; returns whether the patch is active."""
+    global _original
+    if _original is not None:
+        return True
+    if not is_supported_version():
+        low, high = SUPPORTED_TRANSFORMERS
+        warnings.warn(
+            f"hf_paged: transformers {transformers.__version__} is outside the tested range [{low}, {high}); "
+            "generate will not pick a PagedCache automatically (pass cache=PagedCache(...) explicitly)",
+            stacklevel=2,
+        )
+        return False
+    original = getattr(GenerationMixin, _TARGET)
+    _original = original
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("cache")
+        if self.config._attn_implementation == "hf_paged" and type(cache) is DynamicCache and not getattr(
+            cache, "_is_user_defined", False
+        ):
+            cache_config = getattr(self, "hf_paged_cache_config", None) or PagedCacheConfig()
+            cache = PagedCache(self.config, cache_config)
+            model_kwargs["cache"] = cache
+        elif self.config._attn_implementation == "hf_paged" and cache is not None and not isinstance(cache, PagedCache):
+            _warn_once(
+                f"hf_paged: generate is using {type(cache).__name__} (cache_implementation="
+                f"{generation_config.cache_implementation!r}), not a PagedCache; attention takes the dense path"
+            )
+        if isinstance(cache, PagedCache):
+            attach(self)
+            _check_fits(cache, generation_config)
+        return result
+
+    setattr(GenerationMixin, _TARGET, _prepare_cache_for_generation)
+    return True
+
+
+def uninstall() -> None:
+    """Restore transformers' original method."""
+    global _original
+    if _original is not None:
+        setattr(GenerationMixin, _TARGET, _original)
+        _original = None
+
+
+def _check_fits(cache: PagedCache, generation_config) -> None:
+    """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool."""
+    num_blocks = cache.cache_config.num_blocks
+    max_length = generation_config.max_length
+    if num_blocks is not None and max_length is not None and num_blocks * cache.block_size < max_length:
+        raise ValueError(
+            f"num_blocks={num_blocks} with block_size={cache.block_size} holds {num_blocks * cache.block_size} "
+            f"tokens, too few for one sequence of max_length={max_length}"
+        )
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
