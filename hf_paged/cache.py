@@ -152,7 +152,6 @@ class PagedCache(Cache):
         self._next_seq_id = 0
         self._weights_epoch = 0
         self._weights_fingerprint = None
-        self._max_num_blocks_cache: int | None = None
 
     # ------------------------------------------------------------------ transformers' Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -239,7 +238,10 @@ class PagedCache(Cache):
         self._step = None
 
     def reset(self) -> None:
-        """Forget every sequence. Their full blocks stay in the prefix cache for later requests."""
+        """Forget every sequence. Their full blocks stay in the prefix cache for later requests
+        (unless the last forward did not finish, which leaves their content suspect)."""
+        if self._step_is_unfinished():
+            self.pool.reset_prefix_cache()
         for seq in self.seqs:
             self.manager.free(seq)
         self.seqs = []
@@ -269,26 +271,35 @@ class PagedCache(Cache):
             ValueError: bad batch shape or padding layout, or a sequence that can never fit the pool.
             NoFreeBlocksError: the pool (at its size limit) has too few free blocks right now.
         """
-        if not self.seqs:
-            self.seqs = [self._new_sequence() for _ in range(batch_size)]
-        elif len(self.seqs) != batch_size:
+        if self._step_is_unfinished():
+            self.pool.reset_prefix_cache()  # its blocks were hashed before their K/V were written
+            self._step = None
+            raise RuntimeError(
+                "the previous forward with this PagedCache did not finish (it raised?), so its K/V are "
+                "incomplete; call cache.reset() before reusing the cache"
+            )
+        if self.seqs and len(self.seqs) != batch_size:
             raise ValueError(
                 f"the PagedCache holds {len(self.seqs)} sequences but this forward has batch size {batch_size}; "
                 "call cache.reset() before reusing it for another batch"
             )
-        real_cols = self._real_columns(attention_mask, batch_size, q_len)
+        seqs = self.seqs or [self._new_sequence() for _ in range(batch_size)]
+        real_cols = self._real_columns(attention_mask, seqs, q_len)
         if input_ids is not None:
             rows = input_ids.tolist()
             new_tokens = [[rows[b][c] for c in cols] for b, cols in enumerate(real_cols)]
         else:
             new_tokens = [[-1] * len(cols) for cols in real_cols]
-            for seq, cols in zip(self.seqs, real_cols):
+        self._ensure_free_blocks(seqs, new_tokens, dtype)
+
+        # Validated and sized: from here on nothing can fail, so the cache state changes.
+        self.seqs = seqs
+        if input_ids is None:
+            for seq, cols in zip(seqs, real_cols):
                 if len(cols):
                     seq.is_cacheable = False
-        self._ensure_free_blocks(new_tokens, dtype)
-
         slots, copies = [], []
-        for seq, tokens in zip(self.seqs, new_tokens):
+        for seq, tokens in zip(seqs, new_tokens):
             result = self.manager.append_tokens(seq, tokens)
             slots.append(result.slots)
             copies.extend(result.copies)
@@ -306,8 +317,12 @@ class PagedCache(Cache):
         )
         return self._step
 
-    def _real_columns(self, attention_mask, batch_size: int, q_len: int) -> list[range]:
+    def _step_is_unfinished(self) -> bool:
+        return self._step is not None and len(self._step.layers_done) < len(self.layers)
+
+    def _real_columns(self, attention_mask, seqs: list[Sequence], q_len: int) -> list[range]:
         """Per row, the columns of this step that hold real tokens, checking the left-padding rule."""
+        batch_size = len(seqs)
         if attention_mask is None:
             return [range(q_len)] * batch_size
         expected = (batch_size, self._num_columns + q_len)
@@ -319,7 +334,7 @@ class PagedCache(Cache):
         new = attention_mask[:, attention_mask.shape[1] - q_len :].bool().cpu()
         num_real = new.sum(dim=1)
         left_padded = torch.arange(q_len)[None, :] >= (q_len - num_real)[:, None]
-        had_tokens = torch.tensor([seq.num_tokens > 0 for seq in self.seqs])
+        had_tokens = torch.tensor([seq.num_tokens > 0 for seq in seqs])
         bad = (new != left_padded).any(dim=1) | (had_tokens & (num_real < q_len))
         if bool(bad.any()):
             rows = bad.nonzero().flatten().tolist()
@@ -329,14 +344,14 @@ class PagedCache(Cache):
             )
         return [range(q_len - n, q_len) for n in num_real.tolist()]
 
-    def _ensure_free_blocks(self, new_tokens: list[list[int]], dtype: torch.dtype) -> None:
-        needs = [self.manager.num_blocks_needed(seq, len(t)) for seq, t in zip(self.seqs, new_tokens)]
+    def _ensure_free_blocks(self, seqs: list[Sequence], new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+        needs = [self.manager.num_blocks_needed(seq, len(t)) for seq, t in zip(seqs, new_tokens)]
         needed = sum(needs)
         if needed <= self.pool.num_free_blocks:
             return
         limit = self._max_num_blocks(dtype)
         if limit is not None:
-            for seq, tokens in zip(self.seqs, new_tokens):
+            for seq, tokens in zip(seqs, new_tokens):
                 total = seq.num_tokens + len(tokens)
                 blocks = -(-total // self.block_size)
                 if blocks > limit:

@@ -1,0 +1,59 @@
+"""Tiny random-weight models of each supported architecture, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.models.gemma2 import Gemma2Config
+from transformers.models.gemma3 import Gemma3TextConfig
+from transformers.models.gpt_oss import GptOssConfig
+from transformers.models.llama import LlamaConfig
+from transformers.models.mistral import MistralConfig
+from transformers.models.phi3 import Phi3Config
+from transformers.models.qwen2 import Qwen2Config
+from transformers.models.qwen3 import Qwen3Config
+
+VOCAB = 256
+# Small windows so that sequences of a few dozen tokens really slide.
+_COMMON = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=96, num_hidden_layers=3,
+               num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0,
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**_COMMON),
+    "mistral": lambda: MistralConfig(**_COMMON, sliding_window=11),
+    "qwen2": lambda: Qwen2Config(**{**_COMMON, "num_key_value_heads": 3}, use_sliding_window=True,
+                                 sliding_window=9, max_window_layers=1,
+                                 layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
+    "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16),
+    "gemma2": lambda: Gemma2Config(**_COMMON, head_dim=16, sliding_window=7, attn_logit_softcapping=5.0,
+                                   final_logit_softcapping=30.0, query_pre_attn_scalar=16),
+    "gemma3": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=7, query_pre_attn_scalar=16,
+                                       layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    "phi3": lambda: Phi3Config(**{**_COMMON, "num_key_value_heads": 6}, sliding_window=13),
+    "gpt_oss": lambda: GptOssConfig(**{**_COMMON, "head_dim": 16}, num_local_experts=4, num_experts_per_tok=2,
+                                    sliding_window=8, layer_types=["sliding_attention", "full_attention",
+                                                                   "sliding_attention"]),
+}
+
+# What stock transformers compares against: sdpa, or eager where sdpa lacks a feature.
+STOCK_ATTN = {"gemma2": "eager", "gpt_oss": "eager"}
+
+
+def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model.eval()
+
+
+def left_padded_batch(lengths: list[int], seed: int = 0):
+    """Random prompts of the given lengths, left-padded like a tokenizer with padding_side='left'."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
+        attention_mask[row, width - n:] = 1
+    return input_ids, attention_mask
