@@ -57,10 +57,21 @@ class StepMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     layers_done: set[int] = field(default_factory=set)
+    _plans: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    def attention_plan(self, block_size: int):
+        """The torch path's per-step indices and masks (`kernels.reference.AttentionPlan`), built on
+        first use and shared by every layer of this step."""
+        if block_size not in self._plans:
+            from .kernels.reference import AttentionPlan
+
+            self._plans[block_size] = AttentionPlan(self.block_tables, self.seq_lens, self.cu_seqlens_q,
+                                                    self.max_seqlen_q, self.max_seqlen_k, block_size)
+        return self._plans[block_size]
 
     def pack(self, states: torch.Tensor) -> torch.Tensor:
         """[batch, heads, q_len, dim] (transformers' layout) -> [num_tokens, heads, dim] real tokens."""

@@ -35,10 +35,11 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None):
-    """Varlen causal attention over paged K/V. See `reference.paged_attention` for the contract."""
+                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None):
+    """Varlen causal attention over paged K/V. See `reference.paged_attention` for the contract;
+    `plan` is the torch path's per-step `reference.AttentionPlan` (optional)."""
     backend(query.device)
     return reference.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
     )

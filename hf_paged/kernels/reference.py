@@ -43,6 +43,47 @@ def gather_kv(
     return cache.flatten(0, 1)[slots]
 
 
+class AttentionPlan:
+    """Index and mask tensors that depend only on the step's metadata, not on the layer: built once
+    per forward and shared by every layer (the masks are memoised per sliding window)."""
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        block_size: int,
+    ):
+        device = seq_lens.device
+        num_seqs = seq_lens.shape[0]
+        self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        self.num_tokens = int(cu_seqlens_q[-1]) if num_seqs else 0
+        q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+        self.seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)  # [T]
+        self.q_idx = torch.arange(self.num_tokens, device=device) - cu_seqlens_q[:-1].long()[self.seq_ids]  # [T]
+        pos = torch.arange(max_seqlen_k, device=device)
+        self.slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [S, Kmax]
+        self.q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)  # [S, Qmax]
+        self.k_pos = pos
+        self.is_pad_row = torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]  # [S, Qmax]
+        # Every row has max_seqlen_k keys and single-token queries: no mask at all is needed.
+        self.is_uniform_decode = bool(max_seqlen_q == 1 and (q_lens == 1).all() and (seq_lens == max_seqlen_k).all())
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:  # [S, Qmax, Kmax] bool, True = attend
+        if sliding_window not in self._masks:
+            k_pos, q_pos = self.k_pos[None, None, :], self.q_pos[:, :, None]
+            allowed = k_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= k_pos > q_pos - sliding_window
+            # Query rows past a sequence's q_len are padding: let them see key 0 so no row is all -inf.
+            allowed[..., 0] |= self.is_pad_row
+            self._masks[sliding_window] = allowed
+        return self._masks[sliding_window]
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -56,6 +97,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of each sequence's new queries over its cached prefix plus themselves.
 
@@ -63,6 +105,7 @@ def paged_attention(
     `p <= pos` and, with a sliding window `w`, only `p > pos - w` (the transformers convention).
     Softcapping (`softcap * tanh(s / softcap)`) is applied to the scaled scores before masking, and
     a sink adds one extra logit per head to the softmax denominator that attends to nothing.
+    `plan` (from `AttentionPlan` on the same metadata) skips rebuilding the per-step indices.
     """
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
@@ -70,35 +113,23 @@ def paged_attention(
     out = query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
     if num_tokens == 0 or max_seqlen_k == 0:
         return out
-    device = query.device
-    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
-    seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
-    q_idx = torch.arange(num_tokens, device=device) - cu_seqlens_q[:-1].long()[seq_ids]
+    if plan is None:
+        plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
 
     q_pad = query.new_zeros(num_seqs, max_seqlen_q, num_q_heads, head_dim)
-    q_pad[seq_ids, q_idx] = query
-    keys = gather_kv(key_cache, block_tables, max_seqlen_k).to(query.dtype)
-    values = gather_kv(value_cache, block_tables, max_seqlen_k).to(query.dtype)
-
-    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)  # [S, Qmax]
-    k_pos = torch.arange(max_seqlen_k, device=device)
-    allowed = k_pos[None, None, :] <= q_pos[:, :, None]  # [S, Qmax, Kmax]
-    if sliding_window is not None:
-        allowed &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    # Query rows past a sequence's q_len are padding: let them see key 0 so no row is all -inf.
-    is_pad_row = torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]
-    allowed[..., 0] |= is_pad_row
-
+    q_pad[plan.seq_ids, plan.q_idx] = query
+    k = key_cache.flatten(0, 1)[plan.slots].to(query.dtype).transpose(1, 2)  # [S, Hkv, Kmax, D]
+    v = value_cache.flatten(0, 1)[plan.slots].to(query.dtype).transpose(1, 2)
     q = q_pad.transpose(1, 2)  # [S, Hq, Qmax, D]
-    k = keys.transpose(1, 2)  # [S, Hkv, Kmax, D]
-    v = values.transpose(1, 2)
+    needs_mask = sliding_window is not None or not plan.is_uniform_decode
     if softcap is None and sinks is None:
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed[:, None], scale=scale, enable_gqa=num_q_heads != num_kv_heads
+            q, k, v, attn_mask=plan.mask(sliding_window)[:, None] if needs_mask else None, scale=scale,
+            enable_gqa=num_q_heads != num_kv_heads,
         )
     else:
-        o = _attention_math(q, k, v, allowed, scale, softcap, sinks)
-    return o.transpose(1, 2)[seq_ids, q_idx]
+        o = _attention_math(q, k, v, plan.mask(sliding_window), scale, softcap, sinks)
+    return o.transpose(1, 2)[plan.seq_ids, plan.q_idx]
 
 
 def _attention_math(q, k, v, allowed, scale, softcap, sinks):
