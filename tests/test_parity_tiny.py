@@ -253,3 +253,96 @@ def test_batch_select_and_repeat_interleave():
     assert [seq.num_tokens for seq in cache.seqs] == [tokens[2]] * 2 + [tokens[0]] * 2
     assert cache.stats()["num_shared_blocks"] == len(cache.seqs[0].block_table) + len(cache.seqs[2].block_table)
     cache.pool.check_invariants()
+
+
+def test_mqa_parity():
+    """A single KV head shared by every query head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=96, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=1, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=15)
+    ref = _generate(model, input_ids, attention_mask)
+    model.set_attn_implementation("hf_paged")
+    _assert_same(ref, _generate(model, input_ids, attention_mask))
+
+
+def test_no_dense_mask_on_the_paged_path(monkeypatch):
+    import transformers.masking_utils as masking_utils
+
+    from hf_paged import attention
+
+    built = []
+    for name in ("sdpa_mask", "eager_mask"):
+        original = getattr(attention, name)
+        monkeypatch.setattr(attention, name, lambda *a, _o=original, **k: built.append(1) or _o(*a, **k))
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=16)
+    model = tiny_model("llama", "hf_paged")
+    _generate(model, input_ids, attention_mask)
+    assert built == []
+    # ...while the dense path (no cache) still builds exactly the mask sdpa would get.
+    model(input_ids, attention_mask=attention_mask, use_cache=False)
+    assert len(built) == 1
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["hf_paged"] is attention.paged_mask
+
+
+def test_register_is_idempotent():
+    from transformers import AttentionInterface
+
+    hf_paged.register()
+    hf_paged.register()
+    assert AttentionInterface._global_mapping["hf_paged"] is hf_paged.paged_attention_forward
+    assert hf_paged.patches.is_installed()
+
+
+def test_other_cache_classes_fall_back_visibly_or_error_clearly():
+    from transformers import DynamicCache
+
+    input_ids, attention_mask = left_padded_batch([9, 14], seed=17)
+    model = tiny_model("llama")
+    ref = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    model.set_attn_implementation("hf_paged")
+    # A user's own DynamicCache is respected: dense path, same output.
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False,
+                         cache=DynamicCache(config=model.config))
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="does not support compileable caches.*'static'"):
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False,
+                       cache_implementation="static")
+
+
+def test_generate_patch_is_reversible():
+    from hf_paged import patches
+    from transformers.generation.utils import GenerationMixin
+
+    patched = GenerationMixin._prepare_cache_for_generation
+    patches.uninstall()
+    try:
+        assert GenerationMixin._prepare_cache_for_generation is not patched
+        model = tiny_model("llama", "hf_paged")
+        input_ids, attention_mask = left_padded_batch([9])
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False,
+                             return_dict_in_generate=True)
+        assert not isinstance(out.cache, PagedCache)  # stock cache, dense path: still correct
+    finally:
+        patches.install()
+    assert patches.is_installed()
+
+
+def test_unsupported_transformers_version_is_refused(monkeypatch):
+    from hf_paged.patches import generate as patch
+
+    assert patch.is_supported_version("5.24.0") and patch.is_supported_version("5.22.0")
+    assert not patch.is_supported_version("5.25.0") and not patch.is_supported_version("4.57.1")
+    patch.uninstall()
+    monkeypatch.setattr(patch.transformers, "__version__", "5.30.0")
+    try:
+        with pytest.warns(UserWarning, match="outside the tested range"):
+            assert patch.install() is False
+        assert not patch.is_installed()
+    finally:
+        monkeypatch.undo()
+        patch.install()
+    assert patch.is_installed()

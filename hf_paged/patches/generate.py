@@ -63,6 +63,12 @@ def install() -> bool:
             cache_config = getattr(self, "hf_paged_cache_config", None) or PagedCacheConfig()
             cache = PagedCache(self.config, cache_config)
             model_kwargs["cache"] = cache
+        elif self.config._attn_implementation == "hf_paged" and getattr(cache, "is_compileable", False):
+            raise ValueError(
+                f"attn_implementation='hf_paged' does not support compileable caches ({type(cache).__name__}, "
+                f"cache_implementation={generation_config.cache_implementation!r}); use the default cache, or "
+                "attn_implementation='sdpa' for static caches and torch.compile"
+            )
         elif self.config._attn_implementation == "hf_paged" and cache is not None and not isinstance(cache, PagedCache):
             _warn_once(
                 f"hf_paged: generate is using {type(cache).__name__} (cache_implementation="
