@@ -9,7 +9,7 @@ from transformers import AutoModelForSeq2SeqLM, MambaConfig, T5Config
 import hf_paged
 from hf_paged import NoFreeBlocksError, PagedCache, PagedCacheConfig, kernels
 from hf_paged.metadata import PAGED
-from tiny_models import left_padded_batch, tiny_model
+from tiny_models import with_cache, left_padded_batch, tiny_model
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ def test_prompt_that_cannot_fit_the_pool():
     cache = PagedCache(model.config, block_size=4, num_blocks=5)
     input_ids, attention_mask = left_padded_batch([30])
     with pytest.raises(ValueError, match="a sequence of 30 tokens needs 8 blocks.*at most 5"):
-        model(input_ids, attention_mask=attention_mask, cache=cache)
+        model(input_ids, attention_mask=attention_mask, **with_cache(cache))
     assert cache.pool.num_used_blocks == 0 and not cache.seqs  # nothing was allocated
 
 
@@ -61,7 +61,7 @@ def test_prompt_that_exceeds_the_memory_budget():
                        .bytes_per_block(torch.float32))
     input_ids, attention_mask = left_padded_batch([30])
     with pytest.raises(ValueError, match="max_kv_bytes"):
-        model(input_ids, attention_mask=attention_mask, cache=cache)
+        model(input_ids, attention_mask=attention_mask, **with_cache(cache))
 
 
 def test_full_pool_raises_no_free_blocks_and_keeps_state():
@@ -71,7 +71,7 @@ def test_full_pool_raises_no_free_blocks_and_keeps_state():
     cache = PagedCache(model.config, block_size=4, num_blocks=6)
     input_ids, attention_mask = left_padded_batch([12, 13])
     with pytest.raises(NoFreeBlocksError, match="KV pool is full: this step needs 7 free blocks"):
-        model(input_ids, attention_mask=attention_mask, cache=cache)
+        model(input_ids, attention_mask=attention_mask, **with_cache(cache))
     assert cache.pool.num_used_blocks == 0 and not cache.seqs
     cache.pool.check_invariants()
 
@@ -92,7 +92,7 @@ def test_right_padding_is_rejected():
     input_ids, attention_mask = left_padded_batch([5, 9])
     right = attention_mask.flip(1)
     with pytest.raises(ValueError, match=r"needs left padding.*rows \[0\]"):
-        model(input_ids, attention_mask=right, cache=cache)
+        model(input_ids, attention_mask=right, **with_cache(cache))
 
 
 def test_mask_of_wrong_width_is_rejected():
@@ -108,11 +108,11 @@ def test_batch_size_change_needs_reset():
     hf_paged.attach(model)
     cache = PagedCache(model.config)
     ids, mask = left_padded_batch([5, 9])
-    model(ids, attention_mask=mask, cache=cache)
+    model(ids, attention_mask=mask, **with_cache(cache))
     with pytest.raises(ValueError, match="holds 2 sequences but this forward has batch size 1"):
-        model(ids[:1], attention_mask=mask[:1], cache=cache)
+        model(ids[:1], attention_mask=mask[:1], **with_cache(cache))
     cache.reset()
-    model(ids[:1], attention_mask=mask[:1], cache=cache)  # fine after reset
+    model(ids[:1], attention_mask=mask[:1], **with_cache(cache))  # fine after reset
     assert cache.batch_size == 1
 
 
@@ -121,7 +121,7 @@ def test_crop_errors():
     hf_paged.attach(model)
     cache = PagedCache(model.config)
     ids, mask = left_padded_batch([3, 9])
-    model(ids, attention_mask=mask, cache=cache)
+    model(ids, attention_mask=mask, **with_cache(cache))
     with pytest.raises(ValueError, match="positive value"):
         cache.crop(2)
     with pytest.raises(ValueError, match=r"rows \[0\] hold fewer real"):
@@ -141,14 +141,14 @@ def test_unfinished_forward_is_detected(monkeypatch):
 
     monkeypatch.setattr(kernels, "paged_attention", boom)
     with pytest.raises(MemoryError):
-        model(ids, attention_mask=mask, cache=cache)
+        model(ids, attention_mask=mask, **with_cache(cache))
     monkeypatch.undo()
     assert cache.pool.num_cached_blocks == 2  # hashed at plan time, never written
     with pytest.raises(RuntimeError, match="did not finish"):
-        model(ids[:, -1:], attention_mask=mask, cache=cache)
+        model(ids[:, -1:], attention_mask=mask, **with_cache(cache))
     assert cache.pool.num_cached_blocks == 0  # suspect blocks can no longer be hit
     cache.reset()
-    model(ids, attention_mask=mask, cache=cache)
+    model(ids, attention_mask=mask, **with_cache(cache))
 
 
 def test_dropout_and_attention_weights_are_refused_on_the_paged_path():
@@ -156,7 +156,7 @@ def test_dropout_and_attention_weights_are_refused_on_the_paged_path():
     hf_paged.attach(model)
     ids, mask = left_padded_batch([5])
     with pytest.raises(ValueError, match="cannot return attention weights"):
-        model(ids, attention_mask=mask, cache=PagedCache(model.config), output_attentions=True)
+        model(ids, attention_mask=mask, **with_cache(PagedCache(model.config)), output_attentions=True)
 
 
 def test_bad_backend_env(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_paged
-from tiny_models import left_padded_batch, tiny_model
+from tiny_models import cache_of, left_padded_batch, tiny_model
 
 LENGTHS = [3, 17, 40, 100, 64]
 NEW_TOKENS = 8
@@ -28,13 +28,13 @@ def test_padded_batch_kv_bytes(block_size):
     out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
                          min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, stock.sequences)
-    stats = out.cache.stats()
+    stats = cache_of(out).stats()
     stored = [n + NEW_TOKENS - 1 for n in LENGTHS]  # the last sampled token has no K/V yet
     assert stats["num_tokens"] == sum(stored)
     real_bytes = stats["num_tokens"] * stats["bytes_per_token"]
     # Waste is below one block per sequence, so bytes <= (1 + block_size / len) x real bytes.
     assert stats["kv_bytes"] <= (1 + block_size / min(stored)) * real_bytes
     assert stats["kv_bytes"] - real_bytes <= len(LENGTHS) * (block_size - 1) * stats["bytes_per_token"]
-    dense = dynamic_cache_bytes(stock.cache)
+    dense = dynamic_cache_bytes(cache_of(stock))
     assert dense == len(LENGTHS) * (max(LENGTHS) + NEW_TOKENS - 1) * stats["bytes_per_token"]
     assert stats["kv_bytes"] < dense

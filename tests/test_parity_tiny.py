@@ -12,7 +12,7 @@ import torch
 import hf_paged
 from hf_paged import kernels
 from hf_paged.cache import PagedCache
-from tiny_models import CONFIGS, STOCK_ATTN, left_padded_batch, tiny_model
+from tiny_models import with_cache, cache_of, CONFIGS, STOCK_ATTN, left_padded_batch, tiny_model
 
 # fp32 end to end: only summation order differs between sdpa and the paged path.
 LOGITS_ATOL = 1e-4
@@ -63,7 +63,7 @@ def test_greedy_parity_across_architectures(arch, count_paged_calls):
         count_paged_calls.clear()
         out = _generate(model, input_ids, attention_mask)
         _assert_same(ref, out)
-        cache = out.cache
+        cache = cache_of(out)
         assert isinstance(cache, PagedCache)
         # The paged path ran: one call per layer per step, and the prefill packed only real tokens.
         assert len(count_paged_calls) == model.config.num_hidden_layers * NEW_TOKENS
@@ -81,9 +81,9 @@ def test_paged_cache_with_dense_attention(attn):
     model = tiny_model("llama", attn)
     ref = _generate(model, input_ids, attention_mask)
     cache = PagedCache(model.config, block_size=4)
-    out = _generate(model, input_ids, attention_mask, cache=cache)
+    out = _generate(model, input_ids, attention_mask, **with_cache(cache))
     _assert_same(ref, out)
-    assert out.cache is cache
+    assert cache_of(out) is cache
     assert cache.stats()["num_tokens"] == sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)
 
 
@@ -93,7 +93,7 @@ def test_user_passed_paged_cache_with_hf_paged():
     ref = _generate(model, input_ids, attention_mask)
     model.set_attn_implementation("hf_paged")
     cache = PagedCache(model.config, block_size=8, num_blocks=64)
-    out = _generate(model, input_ids, attention_mask, cache=cache)
+    out = _generate(model, input_ids, attention_mask, **with_cache(cache))
     _assert_same(ref, out)
     assert cache.stats()["num_blocks"] == 64  # a fixed pool never grows
 
@@ -129,7 +129,7 @@ def test_beam_search_matches_stock_and_shares_prompt_blocks():
     out = model.generate(input_ids, attention_mask=attention_mask, num_beams=4, max_new_tokens=12,
                          do_sample=False, return_dict_in_generate=True)
     assert torch.equal(ref.sequences, out.sequences)
-    stats = out.cache.stats()
+    stats = cache_of(out).stats()
     assert stats["num_seqs"] == 8
     # 4 beams of a 37-token prompt would hold 4 * 3 = 12 blocks unshared; they hold the 2 full prompt
     # blocks once per prompt (shared), and all beams keep pointing at them.
@@ -147,7 +147,7 @@ def test_num_return_sequences_matches_stock_and_shares_prompt_blocks():
     torch.manual_seed(7)
     out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     assert torch.equal(ref.sequences, out.sequences)
-    stats = out.cache.stats()
+    stats = cache_of(out).stats()
     # The 40-token prompt has 2 full blocks; its 3 copies hold them once (prefix cache hits).
     assert stats["num_shared_blocks"] == 2
     assert stats["prefix_cache_hits"] == 4
@@ -165,7 +165,7 @@ def test_assisted_generation():
                          max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
     assert torch.equal(out.sequences, greedy)  # assisted decoding is lossless
-    assert isinstance(out.cache, PagedCache)
+    assert isinstance(cache_of(out), PagedCache)
 
 
 def test_chunked_prefill_matches_stock():
@@ -186,7 +186,7 @@ def test_inputs_embeds_generation_matches_stock():
     out = model.generate(inputs_embeds=embeds, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)
-    assert out.cache.pool.num_cached_blocks == 0  # unknown prompt tokens are never hashed
+    assert cache_of(out).pool.num_cached_blocks == 0  # unknown prompt tokens are never hashed
 
 
 def test_cache_continuation_across_generate_calls():
@@ -196,9 +196,9 @@ def test_cache_continuation_across_generate_calls():
     full = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=16, do_sample=False)
     cache = PagedCache(model.config, block_size=4)
     first = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=8, do_sample=False,
-                           cache=cache)
+                           **with_cache(cache))
     mask = torch.cat([attention_mask, torch.ones(2, 8, dtype=attention_mask.dtype)], dim=1)
-    second = model.generate(first, attention_mask=mask, max_new_tokens=8, do_sample=False, cache=cache)
+    second = model.generate(first, attention_mask=mask, max_new_tokens=8, do_sample=False, **with_cache(cache))
     assert torch.equal(second, full)
 
 
@@ -211,9 +211,9 @@ def test_forward_without_attach_is_correct():
     paged, dynamic = PagedCache(model.config, block_size=4), None
     ids, mask = input_ids, attention_mask
     for _ in range(5):
-        a = model(ids, attention_mask=mask, cache=paged)
-        b = model(ids, attention_mask=mask, cache=dynamic, use_cache=True)
-        dynamic = b.cache
+        a = model(ids, attention_mask=mask, **with_cache(paged))
+        b = model(ids, attention_mask=mask, **with_cache(dynamic), use_cache=True)
+        dynamic = cache_of(b)
         real = mask[:, -ids.shape[1]:].bool()
         torch.testing.assert_close(a.logits[real], b.logits[real], atol=LOGITS_ATOL, rtol=0)
         ids = b.logits[:, -1:].argmax(-1)
@@ -227,16 +227,16 @@ def test_attached_forward_by_hand_and_crop():
     model = tiny_model("phi3", "hf_paged")
     hf_paged.attach(model)
     cache = PagedCache(model.config, block_size=4)
-    out = model(input_ids, attention_mask=attention_mask, cache=cache)
+    out = model(input_ids, attention_mask=attention_mask, **with_cache(cache))
     nxt = out.logits[:, -1:].argmax(-1)
     mask = torch.cat([attention_mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
-    step = model(torch.cat([nxt, nxt, nxt], 1), attention_mask=mask, cache=cache)
+    step = model(torch.cat([nxt, nxt, nxt], 1), attention_mask=mask, **with_cache(cache))
     before = cache.stats()
     cache.crop(-2)
     after = cache.stats()
     assert cache.get_seq_length() == input_ids.shape[1] + 1
     assert after["num_tokens"] == before["num_tokens"] - 4
-    again = model(torch.cat([nxt, nxt], 1), attention_mask=mask, cache=cache)
+    again = model(torch.cat([nxt, nxt], 1), attention_mask=mask, **with_cache(cache))
     torch.testing.assert_close(again.logits, step.logits[:, 1:], atol=LOGITS_ATOL, rtol=0)
 
 
@@ -245,7 +245,7 @@ def test_batch_select_and_repeat_interleave():
     model = tiny_model("llama", "hf_paged")
     hf_paged.attach(model)
     cache = PagedCache(model.config, block_size=4)
-    model(input_ids, attention_mask=attention_mask, cache=cache)
+    model(input_ids, attention_mask=attention_mask, **with_cache(cache))
     tokens = [seq.num_tokens for seq in cache.seqs]
     cache.batch_select_indices(torch.tensor([2, 0]))
     assert [seq.num_tokens for seq in cache.seqs] == [tokens[2], tokens[0]]
@@ -306,7 +306,7 @@ def test_other_cache_classes_fall_back_visibly_or_error_clearly():
     model.set_attn_implementation("hf_paged")
     # A user's own DynamicCache is respected: dense path, same output.
     out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False,
-                         cache=DynamicCache(config=model.config))
+                         **with_cache(DynamicCache(config=model.config)))
     assert torch.equal(out, ref)
     with pytest.raises(ValueError, match="does not support compileable caches.*'static'"):
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False,
@@ -325,7 +325,7 @@ def test_generate_patch_is_reversible():
         input_ids, attention_mask = left_padded_batch([9])
         out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False,
                              return_dict_in_generate=True)
-        assert not isinstance(out.cache, PagedCache)  # stock cache, dense path: still correct
+        assert not isinstance(cache_of(out), PagedCache)  # stock cache, dense path: still correct
     finally:
         patches.install()
     assert patches.is_installed()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hf_paged.models import load_default
+from tiny_models import cache_of
 from hf_paged.prompts import CHAT_PROMPTS, chat_inputs
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ def test_batched_left_padded_parity(model_and_tokenizer):
     model.set_attn_implementation("hf_paged")
     out = _generate(model, inputs)
     _assert_parity(ref, out)
-    assert out.cache.stats()["num_tokens"] == int(lengths.sum()) + len(CHAT_PROMPTS) * (NEW_TOKENS - 1)
+    assert cache_of(out).stats()["num_tokens"] == int(lengths.sum()) + len(CHAT_PROMPTS) * (NEW_TOKENS - 1)
 
 
 def test_one_at_a_time_parity(model_and_tokenizer):
@@ -53,3 +54,19 @@ def test_one_at_a_time_parity(model_and_tokenizer):
         model.set_attn_implementation("hf_paged")
         out = _generate(model, inputs)
         _assert_parity(ref, out)
+
+
+def test_text_generation_pipeline(model_and_tokenizer):
+    """`pipeline()` calls generate: same text with the flag flipped."""
+    from transformers import pipeline
+
+    model, tokenizer = model_and_tokenizer
+    messages = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS[:3]]
+    results = {}
+    for attn in ("sdpa", "hf_paged"):
+        model.set_attn_implementation(attn)
+        pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        results[attn] = [r[0]["generated_text"][-1]["content"]
+                         for r in pipe(messages, max_new_tokens=24, do_sample=False, batch_size=3)]
+    assert results["hf_paged"] == results["sdpa"]
+    assert all(results["sdpa"])

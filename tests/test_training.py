@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_paged.cache import PagedCache
-from tiny_models import left_padded_batch, tiny_model
+from tiny_models import with_cache, left_padded_batch, tiny_model
 
 # The dense path is transformers' own sdpa/eager, so fp32 gradients agree to rounding.
 GRAD_ATOL = 1e-6
@@ -69,16 +69,16 @@ def test_prefix_cache_is_not_reused_after_weights_change():
     paged.set_attn_implementation("hf_paged")
     cache = PagedCache(paged.config)
 
-    first = paged.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, cache=cache)
+    first = paged.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, **with_cache(cache))
     cache.reset()
-    again = paged.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, cache=cache)
+    again = paged.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, **with_cache(cache))
     assert torch.equal(first, again)
     assert cache.pool.num_prefix_hits == 2  # unchanged weights: the prompt's blocks were reused
 
     for model in (stock, paged):
         _train_step(model, input_ids, attention_mask, lr=2.0)
     cache.reset()
-    after = paged.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, cache=cache)
+    after = paged.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, **with_cache(cache))
     expected = stock.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
     assert cache.pool.num_prefix_hits == 2  # no stale hit after the optimizer step
     assert torch.equal(after, expected)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.models.llama import LlamaModel
 from transformers.models.gemma2 import Gemma2Config
 from transformers.models.gemma3 import Gemma3TextConfig
 from transformers.models.gpt_oss import GptOssConfig
@@ -35,6 +38,21 @@ CONFIGS = {
                                     sliding_window=8, layer_types=["sliding_attention", "full_attention",
                                                                    "sliding_attention"]),
 }
+
+# transformers 5.24 renamed the cache argument from `past_key_values` to `cache`; the supported range
+# spans both, so tests pass and read caches through these two helpers.
+CACHE_KEY = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+
+
+def with_cache(cache) -> dict:
+    """Keyword arguments passing `cache` to a model forward or to `generate`."""
+    return {CACHE_KEY: cache}
+
+
+def cache_of(output):
+    """The cache a model output or a `generate` output (return_dict_in_generate=True) holds."""
+    return getattr(output, CACHE_KEY)
+
 
 # What stock transformers compares against: sdpa, or eager where sdpa lacks a feature.
 STOCK_ATTN = {"gemma2": "eager", "gpt_oss": "eager"}

@@ -56,13 +56,14 @@ def install() -> bool:
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("cache")
+        key = _cache_key(model_kwargs)
+        cache = model_kwargs.get(key)
         if self.config._attn_implementation == "hf_paged" and type(cache) is DynamicCache and not getattr(
             cache, "_is_user_defined", False
         ):
             cache_config = getattr(self, "hf_paged_cache_config", None) or PagedCacheConfig()
             cache = PagedCache(self.config, cache_config)
-            model_kwargs["cache"] = cache
+            model_kwargs[key] = cache
         elif self.config._attn_implementation == "hf_paged" and getattr(cache, "is_compileable", False):
             raise ValueError(
                 f"attn_implementation='hf_paged' does not support compileable caches ({type(cache).__name__}, "
@@ -81,6 +82,11 @@ def install() -> bool:
 
     setattr(GenerationMixin, _TARGET, _prepare_cache_for_generation)
     return True
+
+
+def _cache_key(model_kwargs: dict) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache`; generate uses one or the other."""
+    return "past_key_values" if "past_key_values" in model_kwargs else "cache"
 
 
 def uninstall() -> None:
