@@ -70,6 +70,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.num_prefix_hits = 0  # blocks taken back from the cache instead of recomputed
+        self.epoch = 0  # bumped by reset_prefix_cache; sequences alive across a reset stop hashing
 
     # ---------------------------------------------------------------- questions
     @property
@@ -172,7 +173,11 @@ class BlockPool:
         self._drop_hash(block_id)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every content hash (e.g. the weights changed). Cached free blocks become free."""
+        """Forget every content hash (e.g. the weights changed). Cached free blocks become free.
+
+        Sequences still alive keep their blocks, but `BlockManager` stops hashing them: a block they
+        fill later attends to K/V from before the reset, so it must never be shared."""
+        self.epoch += 1
         for block_id in list(self._evictable):
             self._free.append(block_id)
         self._evictable.clear()
@@ -257,6 +262,11 @@ class BlockManager:
                 f"{self.pool.num_free_blocks} of {self.pool.num_blocks} are free"
             )
         bs, pool, result = self.block_size, self.pool, AppendResult()
+        if seq.prefix_epoch is None:
+            seq.prefix_epoch = pool.epoch
+        elif seq.prefix_epoch != pool.epoch and seq.is_cacheable:
+            seq.is_cacheable = False  # alive across a prefix-cache reset: see reset_prefix_cache
+            seq.block_hashes.clear()
         caching = pool.enable_prefix_caching and seq.is_cacheable
         if seq.num_tokens % bs and token_ids:
             last = seq.block_table[-1]
@@ -306,6 +316,7 @@ class BlockManager:
             block_hashes=list(seq.block_hashes),
             extra_key=seq.extra_key,
             is_cacheable=seq.is_cacheable,
+            prefix_epoch=seq.prefix_epoch,
         )
 
     def truncate(self, seq: Sequence, num_tokens_to_remove: int) -> None:

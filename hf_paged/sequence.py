@@ -18,6 +18,7 @@ class Sequence:
         extra_key: salt mixed into every block hash (adapter, weights version, user salt).
         is_cacheable: False once tokens of unknown identity were stored (a forward fed
             `inputs_embeds`): its blocks are then never hashed, so they can never be shared wrongly.
+        prefix_epoch: the pool's prefix-cache epoch when the sequence first stored tokens.
     """
 
     seq_id: int
@@ -26,6 +27,7 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     extra_key: object = None
     is_cacheable: bool = True
+    prefix_epoch: int | None = None
 
     @property
     def num_tokens(self) -> int:
