@@ -34,7 +34,7 @@ from .metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from .sequence import Sequence
 
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
-_GROWTH_FACTOR = 1.5  # amortises pool reallocation; the pool is at most this much larger than needed
+_GROWTH_FACTOR = 1.25  # amortises pool reallocation; the pool is at most this much larger than needed
 
 
 def check_model_supported(config) -> None:
