@@ -35,16 +35,19 @@ def main():
     print(f"batch of {len(lengths)} prompts, lengths {lengths} (padded to {inputs['input_ids'].shape[1]}), "
           f"{args.new_tokens} new tokens")
     print(f"DynamicCache: {dense / 2**20:.2f} MiB")
-    print(f"{'block_size':>10}{'tokens':>8}{'used MiB':>10}{'used/real':>11}{'bound':>8}{'reserved MiB':>14}"
+    print("(prefix caching shares the chat template's common system prompt across rows, so 'used' can be "
+          "below 'real')")
+    print(f"{'prefix':>7}{'block_size':>11}{'tokens':>8}{'used MiB':>10}{'used/real':>11}{'bound':>8}{'reserved MiB':>14}"
           f"{'used/Dynamic':>14}{'identical':>11}")
     model.set_attn_implementation("hf_paged")
-    for block_size in (1, 16, 32):
-        model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=block_size)
+    for prefix_caching, block_size in [(p, b) for p in (False, True) for b in (1, 16, 32)]:
+        model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=block_size,
+                                                                enable_prefix_caching=prefix_caching)
         out = model.generate(**inputs, **gen)
         stats = getattr(out, cache_key).stats()
         real = stats["num_tokens"] * stats["bytes_per_token"]
         assert stats["num_tokens"] == sum(stored)
-        print(f"{block_size:>10}{stats['num_tokens']:>8}{stats['kv_bytes'] / 2**20:>10.2f}"
+        print(f"{'on' if prefix_caching else 'off':>7}{block_size:>11}{stats['num_tokens']:>8}{stats['kv_bytes'] / 2**20:>10.2f}"
               f"{stats['kv_bytes'] / real:>11.3f}{1 + block_size / min(stored):>8.3f}"
               f"{stats['kv_bytes_reserved'] / 2**20:>14.2f}{stats['kv_bytes'] / dense:>14.3f}"
               f"{str(torch.equal(out.sequences, stock.sequences)):>11}")
