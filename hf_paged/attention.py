@@ -86,7 +86,7 @@ def paged_attention_forward(
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=s_aux,
-            plan=meta.attention_plan(key.shape[1]),
+            plan=meta.attention_plan(key.shape[1]) if kernels.backend(query.device) == "torch" else None,
         )
         return meta.unpack(out), None
     return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,

@@ -1,0 +1,456 @@
+"""Split-KV ("flash-decoding") paged attention for steps with few queries per sequence.
+
+The contract is `reference.paged_attention`; this kernel is built for decode (one query per
+sequence) and speculative verify steps (k+1 queries), where a sequence has too few queries to keep
+a GPU busy and the work must be spread over the key axis instead.
+
+    pass 1  grid (num_seqs * num_q_tiles, num_kv_heads, num_splits)
+            One program: the queries of one sequence's query tile, for all query heads of one KV
+            head's GQA group, against one split of that sequence's keys. The group's heads and the
+            tile's query tokens are flattened into the M rows of `tl.dot` (row m = query token
+            m // GROUP, head m % GROUP), so each K/V byte is read once per KV head and split, and
+            GQA never repeats K/V. Keys come BLOCK_N at a time, gathered through the block table;
+            an fp32 online softmax keeps the running max, sum and output.
+            num_splits == 1: the program normalises (adding the sink logit) and writes `out`.
+            num_splits > 1: it writes its normalised partial output and log-sum-exp instead.
+    pass 2  grid (num_tokens, num_q_heads), only when num_splits > 1
+            Merges the splits' partials by their log-sum-exps, with the sink as one more logit.
+
+Scores live in the log2 domain (`s * log2(e)`) so the softmax uses `exp2`; the log-sum-exps in the
+partial buffers are log2 too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+# Cap on query tokens x group heads per program (the M of tl.dot), by padded head_dim: keeps the
+# fp32 accumulator [BLOCK_M, BLOCK_D] at <= 64 KiB of registers per program.
+_MAX_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}
+_MAX_SPLITS = 64
+_MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 of a non-positive argument: no overflow, and the same on every backend.
+    e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x >= 0, t, -t)
+
+
+@triton.jit
+def _key_range(seq_len, q_len, q_start, window, Q_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_WINDOW: tl.constexpr):
+    """Keys [lo, hi) that the tile's queries q_start.. can see; lo is aligned down to BLOCK_N."""
+    first_pos = seq_len - q_len + q_start
+    last_pos = seq_len - q_len + tl.minimum(q_len, q_start + Q_PER_TILE) - 1
+    hi = last_pos + 1
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    return lo, hi
+
+
+@triton.jit
+def _paged_decode_kernel(
+    query_ptr,  # [num_tokens, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_q_heads], read only if HAS_SINKS
+    out_ptr,  # [num_tokens, num_q_heads, head_dim], written only if NUM_SPLITS == 1
+    partial_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] fp32, if NUM_SPLITS > 1
+    partial_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32 (log2), if NUM_SPLITS > 1
+    stride_q_token, stride_q_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_bt_seq,
+    stride_out_token, stride_out_head,
+    stride_sinks,
+    num_tokens,
+    num_q_heads,
+    head_dim,
+    num_q_tiles,
+    scale,
+    softcap,
+    window,
+    GROUP: tl.constexpr,  # query heads per KV head
+    Q_PER_TILE: tl.constexpr,  # query tokens per program
+    BLOCK_M: tl.constexpr,  # >= Q_PER_TILE * GROUP, power of two, >= 16
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent TF32), None (the default) otherwise
+):
+    seq = tl.program_id(0) // num_q_tiles
+    q_start = (tl.program_id(0) % num_q_tiles) * Q_PER_TILE
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    cu_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - cu_start
+    if q_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    # Rows: query token m // GROUP of the tile, query head kv_head * GROUP + m % GROUP.
+    rows = tl.arange(0, BLOCK_M)
+    row_token = rows // GROUP
+    row_valid = (row_token < Q_PER_TILE) & (q_start + row_token < q_len)
+    token = (cu_start + q_start + row_token).to(tl.int64)
+    head = kv_head * GROUP + rows % GROUP
+    q_pos = seq_len - q_len + q_start + row_token  # [BLOCK_M]
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+
+    q = tl.load(
+        query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
+    )  # [BLOCK_M, BLOCK_D]
+
+    lo, hi = _key_range(seq_len, q_len, q_start, window, Q_PER_TILE, BLOCK_N, HAS_WINDOW)
+    tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS)
+    split_lo = lo + split * tiles_per_split * BLOCK_N
+    split_hi = tl.minimum(hi, split_lo + tiles_per_split * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kc_head = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
+    vc_head = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_head
+
+    for start in range(split_lo, split_hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        k_valid = k_pos < split_hi
+        # Table entries past the sequence may be garbage: they are masked, never dereferenced.
+        block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        slot = k_pos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        k = tl.load(
+            kc_head + block[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot + dims[None, :],
+            mask=kv_mask, other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        v = tl.load(
+            vc_head + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + dims[None, :],
+            mask=kv_mask, other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = s * 1.4426950408889634
+        allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
+        if HAS_WINDOW:
+            allowed &= k_pos[None, :] > q_pos[:, None] - window
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no visible key so far keeps m = -inf; subtracting 0 instead avoids inf - inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + head * stride_sinks, mask=row_valid, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_fin)
+            l_i = l_i * alpha + tl.exp2(sink - m_fin)
+            acc = acc * alpha[:, None]
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        tl.store(
+            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+    else:
+        # Partials are contiguous fp32 buffers. An empty split stores lse = -inf and o = 0.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        row = (split * num_tokens + token) * num_q_heads + head  # [BLOCK_M] int64
+        tl.store(partial_out_ptr + row[:, None] * head_dim + dims[None, :], o, mask=out_mask)
+        tl.store(partial_lse_ptr + row, lse, mask=row_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] fp32
+    partial_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32 (log2)
+    sinks_ptr,  # [num_q_heads], read only if HAS_SINKS
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    stride_out_token, stride_out_head,
+    stride_sinks,
+    num_tokens,
+    num_q_heads,
+    head_dim,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= NUM_SPLITS
+    BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    split_valid = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    dim_valid = dims < head_dim
+
+    row = (splits * num_tokens + token) * num_q_heads + head  # [BLOCK_S]
+    lse = tl.load(partial_lse_ptr + row, mask=split_valid, other=float("-inf"))
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head * stride_sinks).to(tl.float32) * 1.4426950408889634
+    else:
+        sink = float("-inf")  # a logit of -inf adds nothing below
+    m = tl.maximum(tl.max(lse, axis=0), sink)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    weight = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
+    total = tl.sum(weight, axis=0) + tl.exp2(sink - m)
+    o = tl.load(
+        partial_out_ptr + row[:, None] * head_dim + dims[None, :],
+        mask=split_valid[:, None] & dim_valid[None, :], other=0.0,
+    )  # [BLOCK_S, BLOCK_D]
+    o = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims, o.to(out_ptr.dtype.element_ty),
+             mask=dim_valid)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter / CPU: only the split logic matters, not occupancy
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _query_tiling(max_seqlen_q: int, group: int, block_d: int) -> tuple[int, int]:
+    """(query tokens per program, BLOCK_M): as many tokens as fit in _MAX_ROWS rows (at least one,
+    so a group wider than the cap still gets one program per query token)."""
+    q_per_tile = max(1, min(max_seqlen_q, _MAX_ROWS.get(block_d, 64) // group))
+    block_m = max(16, triton.next_power_of_2(q_per_tile * group))
+    return q_per_tile, block_m
+
+
+def default_num_splits(
+    num_seqs: int,
+    num_kv_heads: int,
+    num_q_heads: int,
+    head_dim: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+) -> int:
+    """Splits of the key axis for `paged_decode` when the caller passes none.
+
+    Aims for about two programs per SM: the pass-1 grid without splits is
+    `num_seqs * num_q_tiles * num_kv_heads`, and the longest context is cut into more splits until
+    that target is reached, but never into splits of fewer than _MIN_KEYS_PER_SPLIT keys (a sliding
+    window caps the keys a query reads) and never more than _MAX_SPLITS. Depends on host ints only,
+    so it is stable across a CUDA graph's replays with the same shapes.
+    """
+    q_per_tile, _ = _query_tiling(max(max_seqlen_q, 1), num_q_heads // max(num_kv_heads, 1), _block_d(head_dim))
+    programs = max(1, num_seqs * triton.cdiv(max(max_seqlen_q, 1), q_per_tile) * num_kv_heads)
+    keys = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window + q_per_tile - 1)
+    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    useful = triton.cdiv(max(keys, 1), _MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, useful, _MAX_SPLITS))
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads]
+    num_splits: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Causal attention of each sequence's few new queries over its paged K/V, split along the keys.
+
+    Same semantics as `reference.paged_attention` (query `i` of sequence `b` sits at position
+    `seq_lens[b] - q_len[b] + i`; sliding window keeps keys `p > pos - w`; softcap applies to the
+    scaled scores before masking; a sink is one extra per-head logit in the softmax denominator;
+    sequences with q_len 0 are allowed; this step's K/V must already be in the cache). Built for
+    `max_seqlen_q` up to ~16 (decode, speculative verify); longer query runs are tiled and stay
+    correct, but a prefill kernel suits them better.
+
+    Args:
+        query: `[num_tokens, num_q_heads, head_dim]` fp16/bf16/fp32, last dim contiguous.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, query's dtype.
+        block_tables: `[num_seqs, max_blocks_per_seq]` int32; entries past a sequence's length are
+            never read, so they may hold anything.
+        seq_lens: `[num_seqs]` int32. cu_seqlens_q: `[num_seqs + 1]` int32.
+        max_seqlen_q, max_seqlen_k: host-side upper bounds of the query and key lengths.
+        scale: softmax scale. sliding_window: window `w >= 1` or None. softcap: `> 0` or None.
+        sinks: `[num_q_heads]` sink logits (any float dtype) or None.
+        num_splits: splits of the key axis; None picks `default_num_splits`.
+
+    Returns:
+        `[num_tokens, num_q_heads, head_dim]` in query's dtype.
+    """
+    if query.dim() != 3:
+        raise ValueError(
+            f"paged_decode: query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}"
+        )
+    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            "paged_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"paged_decode: query must be fp16, bf16 or fp32, got {query.dtype}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(
+            f"paged_decode: query and caches must share a dtype, got query {query.dtype}, key_cache "
+            f"{key_cache.dtype}, value_cache {value_cache.dtype}"
+        )
+    if cache_head_dim != head_dim:
+        raise ValueError(f"paged_decode: query head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"paged_decode: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"paged_decode: {name} must be contiguous in its last (head_dim) dimension")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(
+            f"paged_decode: block_tables must be int32 [num_seqs, max_blocks_per_seq], got {block_tables.dtype} "
+            f"{tuple(block_tables.shape)}"
+        )
+    num_seqs = block_tables.shape[0]
+    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
+        raise ValueError("paged_decode: block_tables must be contiguous in its last dimension")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (num_seqs,):
+        raise ValueError(
+            f"paged_decode: seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
+        )
+    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"paged_decode: cu_seqlens_q must be int32 [{num_seqs + 1}], got {cu_seqlens_q.dtype} "
+            f"{tuple(cu_seqlens_q.shape)}"
+        )
+    if seq_lens.stride(0) != 1 or cu_seqlens_q.stride(0) != 1:
+        raise ValueError("paged_decode: seq_lens and cu_seqlens_q must be contiguous")
+    if block_tables.shape[1] * block_size < max_seqlen_k:
+        raise ValueError(
+            f"paged_decode: block_tables has {block_tables.shape[1]} columns of {block_size} tokens, fewer than "
+            f"max_seqlen_k={max_seqlen_k}"
+        )
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads):
+        raise ValueError(f"paged_decode: sinks must be [{num_q_heads}], got {tuple(sinks.shape)}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"paged_decode: sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"paged_decode: softcap must be > 0 or None, got {softcap}")
+    if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
+        raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
+    tensors = [query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q]
+    tensors += [sinks] if sinks is not None else []
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"paged_decode: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+    out = query.new_empty(num_tokens, num_q_heads, head_dim)
+    if num_tokens == 0 or max_seqlen_k == 0 or num_seqs == 0:
+        return out.zero_()
+
+    group = num_q_heads // num_kv_heads
+    block_d = _block_d(head_dim)
+    q_per_tile, block_m = _query_tiling(max_seqlen_q, group, block_d)
+    num_q_tiles = triton.cdiv(max_seqlen_q, q_per_tile)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, head_dim, max_seqlen_q, max_seqlen_k,
+                                        query.device, sliding_window)
+    num_splits = int(num_splits)
+    block_n = 64 if block_d <= 128 else 32
+    num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+    # Software pipelining buffers K and V tiles in shared memory per stage: 3 stages of 32 KiB, or 2
+    # when a stage is bigger (fp32, head_dim 256), to stay well inside ~227 KiB.
+    stage_bytes = 2 * block_n * block_d * query.element_size()
+    num_stages = 3 if stage_bytes <= 32 * 1024 else 2
+
+    if num_splits == 1:
+        partial_out = partial_lse = out  # unused
+    else:
+        partial_out = torch.empty(num_splits, num_tokens, num_q_heads, head_dim, device=query.device,
+                                  dtype=torch.float32)
+        partial_lse = torch.empty(num_splits, num_tokens, num_q_heads, device=query.device, dtype=torch.float32)
+    sinks_arg = sinks if sinks is not None else out  # unused without HAS_SINKS
+    stride_sinks = sinks.stride(0) if sinks is not None else 0
+
+    _paged_decode_kernel[(num_seqs * num_q_tiles, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, sinks_arg,
+        out, partial_out, partial_lse,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        stride_sinks,
+        num_tokens,
+        num_q_heads,
+        head_dim,
+        num_q_tiles,
+        float(scale),
+        float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        GROUP=group,
+        Q_PER_TILE=q_per_tile,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_SINKS=sinks is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            partial_out, partial_lse, sinks_arg, out,
+            out.stride(0), out.stride(1),
+            stride_sinks,
+            num_tokens,
+            num_q_heads,
+            head_dim,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
+        )
+    return out

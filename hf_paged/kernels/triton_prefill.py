@@ -1,0 +1,312 @@
+"""Flash-attention prefill over the paged KV cache (varlen, causal, chunked-prefill aware).
+
+Same contract as `reference.paged_attention`: the queries of a step are packed along the token
+axis by `cu_seqlens_q`, and query `i` of sequence `b` sits at position
+`seq_lens[b] - q_len[b] + i`. Every key it may see (the cached prefix and the step's own tokens,
+already written by `store_kv`) is read from the paged cache through the block table:
+
+    block_tables[b] = [7, 2, 9, ...]        key position p lives in block block_tables[b][p // block_size]
+    key_cache[7]    = [block_size, num_kv_heads, head_dim]    at row p % block_size
+
+Work split (one program = one query tile x one KV head):
+
+    grid = (num_tokens // BLOCK_Q + num_seqs, num_kv_heads)
+
+* A query tile holds BLOCK_Q consecutive tokens of ONE sequence. GQA/MQA is handled by packing:
+  the tile's BLOCK_M rows are (token, head-in-group) pairs, `row = token * GROUP + h`, so the
+  K/V tile of the KV head is loaded once and used by all `GROUP` query heads (no repeated K/V, and
+  a decode row still fills the tile when the group is large). Rows past `BLOCK_Q * GROUP` or past
+  the sequence's `q_len` are padding: computed, never stored.
+* Sequence `b` owns tiles `first_tile(b) = cu_seqlens_q[b] // BLOCK_Q + b` onwards. `first_tile`
+  is strictly increasing and leaves at least `ceil(q_len / BLOCK_Q)` ids per sequence, so the grid
+  size needs only `num_tokens` (a host-side shape) and never reads `cu_seqlens_q` on the host: no
+  device-to-host sync per layer. Each program binary-searches `cu_seqlens_q` for its sequence
+  (log2(num_seqs) scalar loads) and exits at once if its tile starts past `q_len` (at most
+  `num_seqs` such idle programs).
+* Each program loops over key tiles of BLOCK_N positions, gathering the rows through the block
+  table (per-position block lookup, so any block_size works, 1 included), with an fp32 online
+  softmax in the log2 domain. Key tiles that are fully masked are never visited: the loop stops
+  at the tile's last query position (causal end) and, with a sliding window, starts at the tile
+  holding the first position the earliest query of the tile can still see.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+
+
+@triton.jit
+def _tanh(x):
+    # tl has no portable tanh (libdevice is CUDA-only and absent in the interpreter); this form
+    # saturates cleanly to +-1 for large |x| (exp overflow gives 1/inf = 0).
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _find_seq(
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    tile_idx,
+    num_seqs,
+    BLOCK_Q: tl.constexpr,
+):
+    """Largest sequence `b` with `cu_seqlens_q[b] // BLOCK_Q + b <= tile_idx` (binary search)."""
+    lo: tl.int32 = 0  # invariant: first_tile(lo) <= tile_idx (first_tile(0) == 0)
+    hi = num_seqs  # invariant: first_tile(hi) > tile_idx, or hi == num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_idx:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _flash_prefill_kernel(
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    query_ptr,  # [num_tokens, num_q_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32
+    cu_seqlens_q_ptr,  # [num_seqs + 1] int32
+    sinks_ptr,  # [num_q_heads] (read only if HAS_SINKS)
+    num_seqs,
+    num_tokens,
+    scale,  # float: softmax scale on q.k
+    softcap,  # float: cap (read only if HAS_SOFTCAP)
+    sliding_window,  # int: window w, key p visible iff p > pos - w (read only if HAS_WINDOW)
+    block_size,
+    head_dim,
+    stride_ot, stride_oh,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_sink,
+    GROUP: tl.constexpr,  # num_q_heads // num_kv_heads
+    BLOCK_Q: tl.constexpr,  # query tokens per tile (any positive int)
+    BLOCK_M: tl.constexpr,  # rows per tile, power of two >= BLOCK_Q * GROUP and >= 16
+    BLOCK_N: tl.constexpr,  # key positions per inner step, power of two >= 16
+    BLOCK_D: tl.constexpr,  # head_dim padded to a power of two >= 16
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (tf32 would miss the fp32 tolerance), else None
+):
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    seq = _find_seq(cu_seqlens_q_ptr, tile_idx, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    tile_q_start = (tile_idx - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # first token of the tile, in-sequence
+    if tile_q_start >= q_len:
+        return  # spare grid slot (the grid over-provisions by up to one tile per sequence)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # cached positions before this step's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = tile_q_start + rows // GROUP  # [BLOCK_M] token index within the sequence
+    q_head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] always a real head
+    row_valid = (rows // GROUP < BLOCK_Q) & (q_idx < q_len)
+    q_pos = context_len + q_idx  # [BLOCK_M] absolute position of each row's token
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < head_dim
+    token = (q_start + q_idx).to(tl.int64)
+    row_valid = row_valid & (token < num_tokens)  # a cu_seqlens_q past num_tokens never writes out of bounds
+
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(query_ptr + token[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_mask, other=0.0)  # [BLOCK_M, BLOCK_D]
+
+    # Online-softmax state, log2 domain. A sink is one extra logit with no value: start the running
+    # max at it with a running sum of exp2(sink - sink) = 1, and it lands in the denominator only.
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + q_head * stride_sink).to(tl.float32) * LOG2E
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key range that any valid row of this tile can see; tiles outside it are skipped entirely.
+    tile_q_last = tl.minimum(tile_q_start + BLOCK_Q, q_len) - 1
+    kv_end = context_len + tile_q_last + 1  # causal end (<= seq_len)
+    kv_start = 0
+    if HAS_WINDOW:
+        kv_start = tl.maximum(context_len + tile_q_start - sliding_window + 1, 0)
+        kv_start = (kv_start // BLOCK_N) * BLOCK_N
+
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(kv_start, kv_end, BLOCK_N):
+        k_pos = start_n + offs_n  # [BLOCK_N]
+        k_valid = k_pos < kv_end  # never touch table slots past the sequence (may hold garbage)
+        block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_valid, other=0)
+        block = block.to(tl.int64)  # block * stride_kb overflows int32 on large caches
+        in_block = k_pos % block_size
+        k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+        v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh  # [BLOCK_N]
+
+        k_t = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None],
+                      mask=d_valid[:, None] & k_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+        if HAS_SOFTCAP:
+            s = softcap * _tanh(s * (scale / softcap)) * LOG2E
+        else:
+            s = s * (scale * LOG2E)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if HAS_WINDOW:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row with nothing visible yet keeps m = -inf; shift by 0 instead so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :],
+                    mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Valid rows always see their own position (l_i > 0); the guard only keeps padding rows finite.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _pick_tiles(head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a launch. Heuristic, not tuned on GPU."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    rows = 64  # target rows per tile: the tutorial's sweet spot for d <= 128 on Hopper/Ampere
+    block_n = 64 if block_d <= 128 else 32  # d = 256: keep the K/V tiles and acc within registers
+    num_warps = 4 if block_d <= 64 else 8
+    # Tokens per tile: fill the target rows with whole GQA groups, but no more tokens than any
+    # sequence has this step (decode / speculative-verify batches get small tiles).
+    block_q = max(1, min(rows // group, max(max_seqlen_q, 1)))
+    block_m = max(16, triton.next_power_of_2(block_q * group))
+    return block_q, block_m, block_n, block_d, num_warps
+
+
+def flash_prefill(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads]
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Varlen causal flash attention over the paged KV cache; see `reference.paged_attention`.
+
+    Args:
+        query: packed queries of all sequences; `cu_seqlens_q[-1]` must equal `num_tokens` (not
+            checked: that needs a device sync; rows past `num_tokens` are dropped, never written).
+        key_cache, value_cache: the paged cache, already holding this step's K/V.
+        block_tables: physical block of each logical block; slots past a sequence's length are
+            never read, so they may hold anything.
+        seq_lens: cache length of each sequence including this step's tokens (`>= q_len`).
+        cu_seqlens_q: query offsets; a sequence may have `q_len == 0`.
+        max_seqlen_q: only sizes the query tiles (a smaller value than the true maximum is still
+            correct, just slower). max_seqlen_k: only checked against the block-table capacity.
+        scale: factor on `q . k` before softcap and softmax.
+        sliding_window: `w >= 1`; a query at `pos` sees keys `pos - w < p <= pos`.
+        softcap: `c > 0`; scores become `c * tanh(s / c)` before masking.
+        sinks: per-query-head logit added to the softmax denominator only.
+
+    Returns:
+        Tensor of `query`'s shape and dtype.
+    """
+    if query.dim() != 3:
+        raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got shape {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim {head_dim} > 256 is not supported by flash_prefill")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(
+            f"query, key_cache and value_cache must share a dtype, got {query.dtype}, {key_cache.dtype}, "
+            f"{value_cache.dtype}"
+        )
+    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, strides {t.stride()}")
+    for name, t, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
+                          ("cu_seqlens_q", cu_seqlens_q, 1)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != ndim or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a {ndim}-D tensor contiguous in its last dimension, "
+                             f"got shape {tuple(t.shape)} strides {t.stride()}")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"inconsistent batch: block_tables has {num_seqs} rows, seq_lens {seq_lens.shape[0]}, "
+            f"cu_seqlens_q {cu_seqlens_q.shape[0]} (must be num_seqs + 1)"
+        )
+    if max_seqlen_k > block_tables.shape[1] * block_size:
+        raise ValueError(f"max_seqlen_k {max_seqlen_k} exceeds the block-table capacity "
+                         f"{block_tables.shape[1]} blocks x {block_size}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
+    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float [num_q_heads={num_q_heads}] tensor, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)}")
+    devices = {t.device for t in (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)}
+    if sinks is not None:
+        devices.add(sinks.device)
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if num_tokens == 0 or num_seqs == 0:
+        return out.zero_()
+
+    group = num_q_heads // num_kv_heads
+    block_q, block_m, block_n, block_d, num_warps = _pick_tiles(head_dim, group, max_seqlen_q)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _flash_prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+        sinks if sinks is not None else out,  # dummy pointer, never read
+        num_seqs, num_tokens, float(scale), float(softcap) if softcap is not None else 1.0,
+        int(sliding_window) if sliding_window is not None else 0,
+        block_size, head_dim,
+        out.stride(0), out.stride(1),
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0),
+        sinks.stride(0) if sinks is not None else 0,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        num_warps=num_warps,
+    )
+    return out
