@@ -409,12 +409,14 @@ class PagedCache(Cache):
     def _gather_dense(self, layer: PagedLayer, step: StepMetadata, dtype: torch.dtype):
         """[batch, kv_heads, num_columns, head_dim] K/V in column order, zeros at padding columns."""
         device = layer.device
-        columns = torch.arange(step.num_columns, device=device)
-        tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
-        valid = tok >= 0
-        tok = tok.clamp(min=0)
-        blocks = step.block_tables.to(device).long().gather(1, tok // self.block_size)
-        slots = blocks * self.block_size + tok % self.block_size
+        if step.dense_index is None or step.dense_index[0].device != device:  # once per step
+            columns = torch.arange(step.num_columns, device=device)
+            tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
+            valid = tok >= 0
+            tok = tok.clamp(min=0)
+            blocks = step.block_tables.to(device).long().gather(1, tok // self.block_size)
+            step.dense_index = (blocks * self.block_size + tok % self.block_size, valid)
+        slots, valid = step.dense_index
         out = []
         for blocks_tensor in (layer.keys, layer.values):
             gathered = blocks_tensor.flatten(0, 1)[slots].to(dtype)  # [batch, num_columns, heads, dim]

@@ -57,6 +57,7 @@ class StepMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     layers_done: set[int] = field(default_factory=set)
+    dense_index: tuple[torch.Tensor, torch.Tensor] | None = None  # DENSE: (slots, valid), [batch, num_columns]
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
