@@ -99,7 +99,7 @@ def _make_inputs(rows, block_size, num_kv_heads, group, head_dim, dtype, seed, s
     return kernel_args, ref_args
 
 
-def _check(kernel_args, ref_args):
+def check_against_reference(kernel_args, ref_args):
     out = flash_prefill(**kernel_args)
     ref = reference.paged_attention(**ref_args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -127,7 +127,7 @@ def test_matches_reference(case_id):
     kernel_args, ref_args = _make_inputs(rows, block_size, num_kv_heads, group, head_dim, dtype,
                                          seed=zlib.crc32(case_id.encode()),
                                          sliding_window=window, softcap=softcap, sinks=sinks)
-    _check(kernel_args, ref_args)
+    check_against_reference(kernel_args, ref_args)
 
 
 @needs_kernel
@@ -148,7 +148,7 @@ def test_small_tiles(monkeypatch, block_size, block_q, window):
     monkeypatch.setattr(triton_prefill, "_pick_tiles", small_tiles)
     kernel_args, ref_args = _make_inputs(MIXED, block_size, 1, group, 64, torch.float32, seed=block_size,
                                          sliding_window=window, softcap=None, sinks=window is None)
-    _check(kernel_args, ref_args)
+    check_against_reference(kernel_args, ref_args)
 
 
 @needs_kernel
@@ -158,7 +158,7 @@ def test_padded_head_dims(head_dim):
     rows = [(17, 17), (54, 4), (15, 0)]
     kernel_args, ref_args = _make_inputs(rows, 16, 1, 2, head_dim, torch.float16, seed=head_dim,
                                          sliding_window=20, softcap=None, sinks=False)
-    _check(kernel_args, ref_args)
+    check_against_reference(kernel_args, ref_args)
 
 
 @needs_kernel
@@ -174,7 +174,7 @@ def test_strided_query_and_sinks_in_model_dtype():
     kernel_args["query"] = fused[:, : query.shape[1]]
     assert not kernel_args["query"].is_contiguous()
     kernel_args["max_seqlen_q"] = 2
-    _check(kernel_args, ref_args)
+    check_against_reference(kernel_args, ref_args)
 
 
 @needs_kernel

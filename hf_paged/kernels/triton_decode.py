@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_attention_inputs
+
 LOG2E = 1.4426950408889634
 # Cap on query tokens x group heads per program (the M of tl.dot), by padded head_dim: keeps the
 # fp32 accumulator [BLOCK_M, BLOCK_D] at <= 64 KiB of registers per program.
@@ -317,70 +319,12 @@ def paged_decode(
     Returns:
         `[num_tokens, num_q_heads, head_dim]` in query's dtype.
     """
-    if query.dim() != 3:
-        raise ValueError(
-            f"paged_decode: query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}"
-        )
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        raise ValueError(
-            "paged_decode: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"paged_decode: query must be fp16, bf16 or fp32, got {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(
-            f"paged_decode: query and caches must share a dtype, got query {query.dtype}, key_cache "
-            f"{key_cache.dtype}, value_cache {value_cache.dtype}"
-        )
-    if cache_head_dim != head_dim:
-        raise ValueError(f"paged_decode: query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"paged_decode: num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"paged_decode: {name} must be contiguous in its last (head_dim) dimension")
-    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
-        raise ValueError(
-            f"paged_decode: block_tables must be int32 [num_seqs, max_blocks_per_seq], got {block_tables.dtype} "
-            f"{tuple(block_tables.shape)}"
-        )
-    num_seqs = block_tables.shape[0]
-    if block_tables.stride(1) != 1 and block_tables.shape[1] > 1:
-        raise ValueError("paged_decode: block_tables must be contiguous in its last dimension")
-    if seq_lens.dtype != torch.int32 or seq_lens.shape != (num_seqs,):
-        raise ValueError(
-            f"paged_decode: seq_lens must be int32 [{num_seqs}], got {seq_lens.dtype} {tuple(seq_lens.shape)}"
-        )
-    if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_q.shape != (num_seqs + 1,):
-        raise ValueError(
-            f"paged_decode: cu_seqlens_q must be int32 [{num_seqs + 1}], got {cu_seqlens_q.dtype} "
-            f"{tuple(cu_seqlens_q.shape)}"
-        )
-    if seq_lens.stride(0) != 1 or cu_seqlens_q.stride(0) != 1:
-        raise ValueError("paged_decode: seq_lens and cu_seqlens_q must be contiguous")
-    if block_tables.shape[1] * block_size < max_seqlen_k:
-        raise ValueError(
-            f"paged_decode: block_tables has {block_tables.shape[1]} columns of {block_size} tokens, fewer than "
-            f"max_seqlen_k={max_seqlen_k}"
-        )
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads):
-        raise ValueError(f"paged_decode: sinks must be [{num_q_heads}], got {tuple(sinks.shape)}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"paged_decode: sliding_window must be >= 1 or None, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"paged_decode: softcap must be > 0 or None, got {softcap}")
+    shapes = check_attention_inputs("paged_decode", query, key_cache, value_cache, block_tables, seq_lens,
+                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks)
     if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
         raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
-    tensors = [query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q]
-    tensors += [sinks] if sinks is not None else []
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"paged_decode: all tensors must be on one device, got {sorted(map(str, devices))}")
+    num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
+    num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
 
     out = query.new_empty(num_tokens, num_q_heads, head_dim)
     if num_tokens == 0 or max_seqlen_k == 0 or num_seqs == 0:

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_attention_inputs
+
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 
 
@@ -231,59 +233,10 @@ def flash_prefill(
     Returns:
         Tensor of `query`'s shape and dtype.
     """
-    if query.dim() != 3:
-        raise ValueError(f"query must be [num_tokens, num_q_heads, head_dim], got shape {tuple(query.shape)}")
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got "
-            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    num_tokens, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim {head_dim} > 256 is not supported by flash_prefill")
-    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"query dtype must be float16, bfloat16 or float32, got {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(
-            f"query, key_cache and value_cache must share a dtype, got {query.dtype}, {key_cache.dtype}, "
-            f"{value_cache.dtype}"
-        )
-    for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, strides {t.stride()}")
-    for name, t, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
-                          ("cu_seqlens_q", cu_seqlens_q, 1)):
-        if t.dtype != torch.int32:
-            raise ValueError(f"{name} must be int32, got {t.dtype}")
-        if t.dim() != ndim or t.stride(-1) != 1:
-            raise ValueError(f"{name} must be a {ndim}-D tensor contiguous in its last dimension, "
-                             f"got shape {tuple(t.shape)} strides {t.stride()}")
-    num_seqs = block_tables.shape[0]
-    if seq_lens.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise ValueError(
-            f"inconsistent batch: block_tables has {num_seqs} rows, seq_lens {seq_lens.shape[0]}, "
-            f"cu_seqlens_q {cu_seqlens_q.shape[0]} (must be num_seqs + 1)"
-        )
-    if max_seqlen_k > block_tables.shape[1] * block_size:
-        raise ValueError(f"max_seqlen_k {max_seqlen_k} exceeds the block-table capacity "
-                         f"{block_tables.shape[1]} blocks x {block_size}")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads or not sinks.is_floating_point()):
-        raise ValueError(f"sinks must be a float [num_q_heads={num_q_heads}] tensor, got "
-                         f"{sinks.dtype} {tuple(sinks.shape)}")
-    devices = {t.device for t in (query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q)}
-    if sinks is not None:
-        devices.add(sinks.device)
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    shapes = check_attention_inputs("flash_prefill", query, key_cache, value_cache, block_tables, seq_lens,
+                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks)
+    num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
+    num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
 
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_tokens == 0 or num_seqs == 0:
