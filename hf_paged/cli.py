@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import sizing_cli
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-paged", description="Paged KV cache for transformers")
@@ -17,7 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--block-size", type=int, default=16)
     sub.add_parser("info", help="versions and the supported transformers range")
+    sizing_cli.add_subcommands(sub)
     args = parser.parse_args(argv)
+    if hasattr(args, "sizing_handler"):
+        return sizing_cli.run(args)
 
     if args.command == "demo":
         from .demo import run_demo
