@@ -35,6 +35,12 @@ class LazyMask:
         self._kwargs = kwargs
         self._built: dict[str, torch.Tensor | None] = {}
 
+    @property
+    def is_plain_causal(self) -> bool:
+        """False when the model overlaid its own mask function (transformers then asks for vmap
+        expansion), e.g. bidirectional attention among image tokens; the paged path cannot honour it."""
+        return not self._kwargs.get("use_vmap", False)
+
     def build(self, kind: str) -> torch.Tensor | None:
         """The mask transformers' `sdpa` ("sdpa") or `eager` ("eager") implementation would get."""
         if kind not in self._built:
@@ -69,6 +75,11 @@ def paged_attention_forward(
         if dropout:
             raise ValueError(
                 "hf_paged's paged attention does not apply attention dropout; call model.eval() before generating"
+            )
+        if isinstance(attention_mask, LazyMask) and not attention_mask.is_plain_causal:
+            raise ValueError(
+                "hf_paged's paged attention supports causal and sliding-window masks only, but this model "
+                "overlays its own mask function (e.g. bidirectional image tokens); use attn_implementation='sdpa'"
             )
         if kwargs.get("output_attentions"):
             raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")

@@ -163,3 +163,25 @@ def test_bad_backend_env(monkeypatch):
     monkeypatch.setenv("HF_PAGED_BACKEND", "cuda-magic")
     with pytest.raises(ValueError, match="HF_PAGED_BACKEND must be one of"):
         kernels.backend(torch.device("cpu"))
+
+
+def test_custom_mask_functions_are_refused_on_the_paged_path():
+    """A model overlaying its own mask (e.g. bidirectional image tokens) must not be silently run causally."""
+    from transformers.masking_utils import create_causal_mask
+
+    model = tiny_model("llama", "hf_paged")
+    hf_paged.attach(model)
+    cache = PagedCache(model.config)
+    ids, mask = left_padded_batch([6])
+    embeds = model.get_input_embeddings()(ids)
+    bidirectional = lambda batch_idx, head_idx, q_idx, kv_idx: True  # noqa: E731
+    lazy = create_causal_mask(model.config, embeds, mask, cache, or_mask_function=bidirectional)
+    assert not lazy.is_plain_causal
+    assert create_causal_mask(model.config, embeds, mask, cache).is_plain_causal
+    meta = cache.plan_step(batch_size=1, q_len=6, mode=PAGED, device=torch.device("cpu"), dtype=torch.float32,
+                           input_ids=ids, attention_mask=mask)
+    layer = model.model.layers[0].self_attn
+    q = torch.zeros(1, 6, 6, 16)
+    with pytest.raises(ValueError, match="causal and sliding-window masks only"):
+        hf_paged.paged_attention_forward(layer, q, torch.zeros(1, 16, 2, 16), torch.zeros(1, 16, 2, 16), lazy,
+                                         paged_metadata=meta)
