@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kernels
 from .block_pool import BlockManager, BlockPool, NoFreeBlocksError
 from .config import PagedCacheConfig
+from .kernels.reference import slots_of
 from .metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from .sequence import Sequence
 
@@ -414,8 +415,7 @@ class PagedCache(Cache):
             tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
             valid = tok >= 0
             tok = tok.clamp(min=0)
-            blocks = step.block_tables.to(device).long().gather(1, tok // self.block_size)
-            step.dense_index = (blocks * self.block_size + tok % self.block_size, valid)
+            step.dense_index = (slots_of(step.block_tables.to(device), tok, self.block_size), valid)
         slots, valid = step.dense_index
         out = []
         for blocks_tensor in (layer.keys, layer.values):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels.reference import AttentionPlan
+
 PAGED = "paged"  # attention reads K/V straight from the blocks (the "hf_paged" attention)
 DENSE = "dense"  # update() returns gathered [batch, kv_heads, kv_len, head_dim] K/V (sdpa/eager)
 
@@ -68,8 +70,6 @@ class StepMetadata:
         """The torch path's per-step indices and masks (`kernels.reference.AttentionPlan`), built on
         first use and shared by every layer of this step."""
         if block_size not in self._plans:
-            from .kernels.reference import AttentionPlan
-
             self._plans[block_size] = AttentionPlan(self.block_tables, self.seq_lens, self.cu_seqlens_q,
                                                     self.max_seqlen_q, self.max_seqlen_k, block_size)
         return self._plans[block_size]

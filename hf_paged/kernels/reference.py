@@ -29,6 +29,18 @@ def store_kv(
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
+def slots_of(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    positions: torch.Tensor,  # [n] shared by every sequence, or [num_seqs, n]
+    block_size: int,
+) -> torch.Tensor:  # [num_seqs, n] int64
+    """Physical slot (`block_id * block_size + offset`) of each token position, via the block table."""
+    if positions.dim() == 1:
+        positions = positions.expand(block_tables.shape[0], -1)
+    blocks = block_tables.long().gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
 def gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
@@ -36,11 +48,8 @@ def gather_kv(
 ) -> torch.Tensor:  # [num_seqs, max_seqlen_k, num_kv_heads, head_dim]
     """Read positions 0..max_seqlen_k-1 of every sequence through its block table. Positions past a
     sequence's length come from whatever block the (padded) table names; callers mask them."""
-    block_size = cache.shape[1]
     pos = torch.arange(max_seqlen_k, device=cache.device)
-    blocks = block_tables[:, pos // block_size].long()
-    slots = blocks * block_size + pos % block_size
-    return cache.flatten(0, 1)[slots]
+    return cache.flatten(0, 1)[slots_of(block_tables, pos, cache.shape[1])]
 
 
 class AttentionPlan:
@@ -64,7 +73,7 @@ class AttentionPlan:
         self.seq_ids = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)  # [T]
         self.q_idx = torch.arange(self.num_tokens, device=device) - cu_seqlens_q[:-1].long()[self.seq_ids]  # [T]
         pos = torch.arange(max_seqlen_k, device=device)
-        self.slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size  # [S, Kmax]
+        self.slots = slots_of(block_tables, pos, block_size)  # [S, Kmax]
         self.q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_seqlen_q, device=device)  # [S, Qmax]
         self.k_pos = pos
         self.is_pad_row = torch.arange(max_seqlen_q, device=device)[None, :] >= q_lens[:, None]  # [S, Qmax]
