@@ -13,7 +13,9 @@ from .attention import register as _register_attention
 from .block_pool import NoFreeBlocksError
 from .cache import PagedCache
 from .config import PagedCacheConfig
+from .engine import Engine, RequestOutput, StreamEvent
 from .hooks import attach, detach
+from .sampling import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,10 @@ register()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "Engine",
+    "RequestOutput",
+    "SamplingParams",
+    "StreamEvent",
     "NoFreeBlocksError",
     "PagedCache",
     "PagedCacheConfig",

@@ -252,6 +252,20 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.pool.can_allocate(self.num_blocks_needed(seq, num_new_tokens))
 
+    def num_cached_prefix_tokens(self, seq: Sequence, token_ids: SequenceABC[int]) -> int:
+        """How many leading `token_ids` an empty `seq` would take from the prefix cache (whole
+        blocks, hash chain unbroken). A question only: nothing is acquired."""
+        pool, bs = self.pool, self.block_size
+        if seq.num_tokens or not (pool.enable_prefix_caching and seq.is_cacheable):
+            return 0
+        parent, n = None, 0
+        while n + bs <= len(token_ids):
+            parent = hash_block_tokens(parent, token_ids[n : n + bs], seq.extra_key)
+            if pool.lookup(parent) is None:
+                break
+            n += bs
+        return n
+
     def append_tokens(self, seq: Sequence, token_ids: SequenceABC[int]) -> AppendResult:
         """Give `token_ids` slots at the end of `seq`, reusing cached full blocks where the hash
         chain matches. Raises `NoFreeBlocksError` before changing anything if the pool is short."""

@@ -30,7 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from . import kernels
 from .block_pool import BlockManager, BlockPool, NoFreeBlocksError
 from .config import PagedCacheConfig
-from .kernels.reference import slots_of
+from .kernels.reference import Workspace, slots_of
 from .metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from .sequence import Sequence
 
@@ -153,6 +153,7 @@ class PagedCache(Cache):
         self._next_seq_id = 0
         self._weights_epoch = 0
         self._weights_fingerprint = None
+        self._workspace = Workspace()  # scratch for the torch attention path, reused across layers and steps
 
     # ------------------------------------------------------------------ transformers' Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -316,7 +317,28 @@ class PagedCache(Cache):
             copies=copies,
             device=device,
         )
+        self._step.workspace = self._workspace
         return self._step
+
+    def begin_step(self, step: StepMetadata) -> None:
+        """Run the next forward with `step`, planned outside the cache (the `Engine`'s scheduler owns
+        the sequences and their block tables); applies its copy-on-write copies first."""
+        if self._step_is_unfinished():
+            self._step = None
+            raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
+        self._apply_copies(step.copies)
+        step.workspace = self._workspace
+        self._step = step
+
+    def abandon_step(self) -> None:
+        """Forget a step whose forward raised. Blocks hashed for it may hold no K/V: drop every hash."""
+        if self._step_is_unfinished():
+            self.pool.reset_prefix_cache()
+        self._step = None
+
+    def new_sequence(self) -> Sequence:
+        """A fresh `Sequence` salted for this cache (its `cache_salt` and current weights epoch)."""
+        return self._new_sequence()
 
     def _step_is_unfinished(self) -> bool:
         return self._step is not None and len(self._step.layers_done) < len(self.layers)

@@ -65,8 +65,8 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
         cache = get("cache")
         if cache is None:
             cache = get("past_key_values")
-        if not isinstance(cache, PagedCache):
-            return None
+        if not isinstance(cache, PagedCache) or kwargs.get("paged_metadata") is not None:
+            return None  # not ours, or already planned (the Engine plans its own steps)
         input_ids, inputs_embeds = get("input_ids"), get("inputs_embeds")
         reference = input_ids if input_ids is not None else inputs_embeds
         if reference is None:

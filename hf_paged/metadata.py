@@ -9,6 +9,10 @@ real (non-padding) token sits in the padded batch.
     row 0: [pad pad  a0  a1]  -->  [a0 a1 | b0 b1 b2 b3 | c0]   [2 3 | 4 5 6 7 | 11]
     row 1: [ b0  b1  b2  b3]       cu_seqlens_q = [0, 2, 6, 7]
     row 2: [pad pad pad  c0]
+
+The engine's steps are already packed: transformers sees one row `[1, num_tokens]` holding every
+scheduled sequence back to back (`build_packed_metadata`), so `batch_size` is 1 while
+`cu_seqlens_q`, `seq_lens` and `block_tables` describe the sequences.
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ class StepMetadata:
 
     Attributes:
         mode: PAGED or DENSE (see module constants).
-        batch_size: rows of the padded batch.
+        batch_size: rows of the padded batch (1 for a packed engine step).
         q_len: columns of the padded batch in this step.
+        Per-sequence fields have one row per sequence: a padded batch row, or a packed sequence.
         num_columns: columns (padding included) the cache covers after this step; what transformers
             sees as the cache length.
         cu_seqlens_q: [batch_size + 1] int32, prefix sums of real new tokens per row.
@@ -60,6 +65,7 @@ class StepMetadata:
     max_seqlen_k: int
     layers_done: set[int] = field(default_factory=set)
     dense_index: tuple[torch.Tensor, torch.Tensor] | None = None  # DENSE: (slots, valid), [batch, num_columns]
+    workspace: object = None  # the cache's `kernels.reference.Workspace`, for the torch path's gathers
     _plans: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -71,7 +77,8 @@ class StepMetadata:
         first use and shared by every layer of this step."""
         if block_size not in self._plans:
             self._plans[block_size] = AttentionPlan(self.block_tables, self.seq_lens, self.cu_seqlens_q,
-                                                    self.max_seqlen_q, self.max_seqlen_k, block_size)
+                                                    self.max_seqlen_q, self.max_seqlen_k, block_size,
+                                                    workspace=self.workspace)
         return self._plans[block_size]
 
     def pack(self, states: torch.Tensor) -> torch.Tensor:
@@ -137,5 +144,43 @@ def build_step_metadata(
         num_padding=num_padding,
         copies=copies,
         max_seqlen_q=max(counts, default=0),
+        max_seqlen_k=max(seq_lens, default=0),
+    )
+
+
+def build_packed_metadata(
+    *,
+    q_lens: list[int],
+    slots: list[list[int]],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    copies: list[tuple[int, int]],
+    device: torch.device,
+) -> StepMetadata:
+    """Metadata for one engine step: sequences packed back to back in a single `[1, num_tokens]` row.
+
+    Args:
+        q_lens: per sequence, the tokens it feeds this step (its chunk).
+        slots: per sequence, the slot of each of those tokens (-1: prefix-cache hit, nothing to write).
+        block_tables, seq_lens: per sequence, after this step.
+    """
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    return StepMetadata(
+        mode=PAGED,
+        batch_size=1,
+        q_len=cu[-1],
+        num_columns=0,
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor([s for row in slots for s in row], dtype=torch.long).to(device),
+        token_index=None,
+        num_padding=None,
+        copies=copies,
+        max_seqlen_q=max(q_lens, default=0),
         max_seqlen_k=max(seq_lens, default=0),
     )

@@ -1,13 +1,18 @@
-"""`generate` picks a `PagedCache` for models loaded with `attn_implementation="hf_paged"`.
+"""`generate` for models loaded with `attn_implementation="hf_paged"`.
 
-transformers has no registry for cache classes, so this wraps one private method,
-`GenerationMixin._prepare_cache_for_generation`: after it ran, a default `DynamicCache` is swapped
-for a `PagedCache` when the model uses "hf_paged", and any `PagedCache` in play is attached
-(`hf_paged.hooks.attach`). Everything else generate does is untouched.
+Two small wraps, both undone by `uninstall()`:
+
+* `GenerationMixin.generate`: a plain batched call (greedy or sampling, no beams, no extra outputs)
+  runs through the continuous-batching `Engine` (`hf_paged.batch_generate`), returning what stock
+  returns. Any other call goes on to stock generate unchanged.
+* `GenerationMixin._prepare_cache_for_generation` (private; transformers has no registry for cache
+  classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any
+  `PagedCache` in play is attached (`hf_paged.hooks.attach`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -26,6 +31,7 @@ logger = logging.getLogger(__name__)
 SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
 _TARGET = "_prepare_cache_for_generation"
 _original = None
+_original_generate = None
 
 
 def is_supported_version(version: str | None = None) -> bool:
@@ -53,6 +59,7 @@ def install() -> bool:
         return False
     original = getattr(GenerationMixin, _TARGET)
     _original = original
+    _install_generate()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
@@ -89,12 +96,33 @@ def _cache_key(model_kwargs: dict) -> str:
     return "past_key_values" if "past_key_values" in model_kwargs else "cache"
 
 
+def _install_generate() -> None:
+    global _original_generate
+    original_generate = GenerationMixin.generate
+    _original_generate = original_generate
+
+    @functools.wraps(original_generate)
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        if self.config._attn_implementation == "hf_paged":
+            from ..batch_generate import try_engine_generate
+
+            result = try_engine_generate(self, inputs, generation_config, kwargs)
+            if result is not None:
+                return result
+        return original_generate(self, inputs, generation_config, **kwargs)
+
+    GenerationMixin.generate = generate
+
+
 def uninstall() -> None:
-    """Restore transformers' original method."""
-    global _original
+    """Restore transformers' original methods."""
+    global _original, _original_generate
     if _original is not None:
         setattr(GenerationMixin, _TARGET, _original)
         _original = None
+    if _original_generate is not None:
+        GenerationMixin.generate = _original_generate
+        _original_generate = None
 
 
 def _check_fits(cache: PagedCache, generation_config) -> None:

@@ -1,0 +1,543 @@
+"""`Engine`: continuous batching over a transformers model with a paged KV cache.
+
+Each `step()` is
+
+    schedule (scheduler.py) -> one StepMetadata -> one packed forward [1, num_tokens] with explicit
+    positions and no padding -> logits only where a request samples -> per-request sampling -> update
+
+Requests join and leave at every step; long prompts are chunked; when blocks run out the newest
+request is preempted and later recomputed (mostly from the prefix cache).
+
+    engine = hf_paged.Engine(model, tokenizer)
+    outputs = engine.generate(["Hello!", "Tell me a joke."], hf_paged.SamplingParams(max_new_tokens=64))
+    for out in engine.stream("Once upon a time", hf_paged.SamplingParams(max_new_tokens=32)):
+        print(out.text, end="")
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import sys
+import time
+from collections.abc import Iterator, Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+import torch
+
+from .attention import ATTN_IMPLEMENTATION
+from .cache import PagedCache, check_model_supported
+from .config import PagedCacheConfig
+from .hooks import _decoder_of, weights_fingerprint
+from .metadata import build_packed_metadata
+from .metrics import EngineMetrics, RequestMetrics
+from .sampling import SamplingParams, SamplingState, make_generator, sample
+from .scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# Without num_blocks / max_kv_bytes the pool gets this budget (vLLM's CPU default is 4 GiB), capped at
+# what max_num_seqs sequences of max_model_len tokens could ever need.
+DEFAULT_KV_BYTES_CPU = 2 << 30
+DEFAULT_KV_FRACTION_CUDA = 0.5  # of the device memory free when the engine is built
+
+
+@dataclass
+class RequestOutput:
+    """The result (or, while streaming, the state so far) of one request.
+
+    Attributes:
+        request_id: the request's id.
+        prompt_token_ids: the prompt as token ids.
+        token_ids: generated tokens only.
+        text: decoded `token_ids` when the engine has a tokenizer (cut before a matched stop string).
+        finish_reason: "stop" (end-of-sequence, stop token or stop string), "length"
+            (max_new_tokens or the model's max positions), "abort", "error", or None while running.
+        metrics: the request's `RequestMetrics`.
+        error: the exception that rejected the request (finish_reason "error").
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+    error: Exception | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StreamEvent:
+    """One newly generated token of a streamed request.
+
+    Attributes:
+        request_id, index: the request and its position in the prompts given to `stream`.
+        token_id: the new token.
+        text: the text this token adds (None without a tokenizer).
+        finish_reason: set on the request's last event.
+    """
+
+    request_id: str
+    index: int
+    token_id: int
+    text: str | None
+    finish_reason: str | None
+
+
+class _Tracked:
+    """Engine-side state of one request: the scheduler's view plus sampling and output."""
+
+    def __init__(self, request: Request, params: SamplingParams, generator, metrics: RequestMetrics):
+        self.request = request
+        self.params = params
+        self.generator = generator
+        self.metrics = metrics
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.num_streamed = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.request.token_ids[self.request.num_prompt_tokens:]
+
+
+class Engine:
+    """Continuous-batching generation for a transformers causal LM.
+
+    Args:
+        model: a decoder-only transformers model. It is switched to `attn_implementation="hf_paged"`
+            if needed (forwards without the engine's metadata still run transformers' own sdpa).
+        tokenizer: optional; needed for string prompts, `.text` and stop strings.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one forward (decodes plus prefill chunks).
+        block_size, kv_cache_dtype, enable_prefix_caching, cache_salt: see `PagedCacheConfig`.
+        num_blocks: fixed KV pool size in blocks. Default: from `max_kv_bytes`.
+        max_kv_bytes: KV budget in bytes. Default: 2 GiB on CPU, half the free memory on CUDA, capped
+            at what `max_num_seqs` full-length sequences need.
+        max_model_len: longest sequence (prompt + output); default the model's max positions.
+        show_progress: tqdm bar in `generate`; None = only when stderr is a terminal.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_kv_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
+        enable_prefix_caching: bool = True,
+        cache_salt: str | None = None,
+        max_model_len: int | None = None,
+        show_progress: bool | None = None,
+    ):
+        check_model_supported(model.config)
+        Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model
+        self.tokenizer = tokenizer
+        text = model.config.get_text_config(decoder=True)
+        self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.device = next(model.parameters()).device
+        self.show_progress = show_progress
+        probe = PagedCacheConfig(block_size=block_size, num_blocks=num_blocks, max_kv_bytes=max_kv_bytes,
+                                 kv_cache_dtype=kv_cache_dtype)  # validates the knobs before any sizing
+        cache_config = PagedCacheConfig(
+            block_size=block_size,
+            num_blocks=num_blocks or self._default_num_blocks(model, probe, max_num_seqs),
+            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
+        )
+        self.cache = PagedCache(model.config, cache_config)
+        self.scheduler = Scheduler(self.cache.manager, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens)
+        self.eos_token_ids = self._eos_token_ids(model, tokenizer)
+        decoder_params = inspect.signature(_decoder_of(model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in decoder_params else "past_key_values"
+        self._requests: dict[str, _Tracked] = {}
+        # Finished outputs kept for `generate`/`stream` calls that own the request (another caller's
+        # step() may be the one that finishes it); requests added with add_request are not kept.
+        self._watched: set[str] = set()
+        self._finished_outputs: dict[str, RequestOutput] = {}
+        self._ids = itertools.count()
+        self._metrics = EngineMetrics()
+
+    # ------------------------------------------------------------------ sizing
+    def _default_num_blocks(self, model, probe: PagedCacheConfig, max_num_seqs: int) -> int:
+        cache = PagedCache(model.config, PagedCacheConfig(block_size=probe.block_size,
+                                                          kv_cache_dtype=probe.kv_cache_dtype))
+        bytes_per_block = cache.bytes_per_block(next(model.parameters()).dtype)
+        budget = probe.max_kv_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * DEFAULT_KV_FRACTION_CUDA)
+            else:
+                budget = DEFAULT_KV_BYTES_CPU
+        most_ever = max_num_seqs * -(-min(self.max_model_len, 1 << 20) // probe.block_size)
+        num_blocks = min(budget // bytes_per_block, most_ever)
+        if num_blocks < 1:
+            raise ValueError(f"max_kv_bytes={budget} is smaller than one KV block ({bytes_per_block} bytes)")
+        return num_blocks
+
+    @staticmethod
+    def _eos_token_ids(model, tokenizer) -> list[int]:
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(model.config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | SequenceABC[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue one request and return its id.
+
+        Args:
+            prompt: a string (needs a tokenizer) or a list of token ids.
+            sampling_params: defaults to `SamplingParams()` (greedy, 16 new tokens).
+            request_id: unique among live requests; generated when omitted.
+
+        Raises:
+            ValueError/TypeError: naming what is wrong with this request; nothing is queued.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._requests:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        prompt_ids = self._prompt_ids(prompt)
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the model's "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
+        request = Request(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
+                          max_total_tokens=max_total, seq=self.cache.new_sequence())
+        self.scheduler.add(request)  # raises if it can never fit the pool
+        metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
+        self._requests[request_id] = _Tracked(request, params, make_generator(params.seed, self.device), metrics)
+        return request_id
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError("a string prompt needs a tokenizer: pass tokenizer= to the Engine, or token ids")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif torch.is_tensor(prompt):
+            if prompt.dim() != 1:
+                raise ValueError(f"a tensor prompt must be 1-D token ids, got shape {tuple(prompt.shape)}")
+            ids = prompt.tolist()
+        elif isinstance(prompt, SequenceABC):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)]
+        if bad:
+            raise TypeError(f"prompt token ids must be ints, got {type(bad[0]).__name__} ({bad[0]!r})")
+        oov = [t for t in ids if not 0 <= t < self.vocab_size]
+        if oov:
+            raise ValueError(
+                f"prompt token ids {oov[:5]} are outside the model's vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its output so far (None if unknown)."""
+        tracked = self._requests.get(request_id)
+        if tracked is None:
+            return None
+        self._finish(tracked, "abort")
+        return self._output(tracked)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns the requests that produced a token or finished in it."""
+        self.cache.note_weights(weights_fingerprint(self.model))
+        sched = self.scheduler.schedule()
+        for request in sched.preempted:
+            self._requests[request.request_id].metrics.num_preemptions += 1
+        self._metrics.num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError(
+                    "the scheduler could not schedule anything although requests are waiting; this is a bug "
+                    f"(free blocks {self.cache.pool.num_free_blocks}/{self.cache.pool.num_blocks})"
+                )
+            return []
+        now = time.perf_counter()
+        self._note_admissions(sched, now)
+        try:
+            logits = self._forward(sched)
+        except BaseException:
+            self.cache.abandon_step()
+            for entry in sched.scheduled:  # their new blocks hold no K/V: recompute them later
+                if entry.request.status == RequestStatus.RUNNING:
+                    self.scheduler._preempt(entry.request, SchedulerOutput())
+            raise
+        sampling = [e for e in sched.scheduled if e.samples]
+        states = [self._sampling_state(self._requests[e.request.request_id]) for e in sampling]
+        tokens = sample(logits, states) if sampling else []
+        now = time.perf_counter()
+        updated = []
+        for entry, token in zip(sampling, tokens):
+            tracked = self._requests[entry.request.request_id]
+            self._append_token(tracked, token, now)
+            updated.append(self._output(tracked))
+        self._update_gauges(sched)
+        return updated
+
+    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:  # [num_sampling_requests, vocab]
+        input_ids, positions, sample_index = [], [], []
+        for entry in sched.scheduled:
+            input_ids.extend(entry.token_ids)
+            positions.extend(range(entry.start, entry.start + len(entry.token_ids)))
+            if entry.samples:
+                sample_index.append(len(input_ids) - 1)
+        meta = build_packed_metadata(
+            q_lens=[len(e.token_ids) for e in sched.scheduled],
+            slots=[e.slots for e in sched.scheduled],
+            block_tables=[e.request.seq.block_table for e in sched.scheduled],
+            seq_lens=[e.request.seq.num_tokens for e in sched.scheduled],
+            copies=sched.copies,
+            device=self.device,
+        )
+        self.cache.begin_step(meta)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        keep = torch.tensor(sample_index, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
+                             logits_to_keep=keep, **{self._cache_kwarg: self.cache})
+        self._metrics.num_steps += 1
+        self._metrics.iteration_tokens.append(len(input_ids))
+        return out.logits[0]
+
+    def _note_admissions(self, sched: SchedulerOutput, now: float) -> None:
+        self._metrics.prefix_cache_queries += sched.num_prefix_query_tokens
+        self._metrics.prefix_cache_hits += sched.num_prefix_hit_tokens
+        for entry in sched.scheduled:
+            tracked = self._requests[entry.request.request_id]
+            request = entry.request
+            if tracked.metrics.first_scheduled_time is None:
+                tracked.metrics.first_scheduled_time = now
+            tracked.metrics.num_cached_tokens = request.num_cached_tokens
+            # Prompt tokens actually computed (outputs recomputed after a preemption count as prompt work).
+            computed_prompt = max(0, min(entry.start + len(entry.token_ids), request.num_prompt_tokens) - entry.start)
+            self._metrics.prompt_tokens += computed_prompt
+
+    def _sampling_state(self, tracked: _Tracked) -> SamplingState:
+        params = tracked.params
+        end_ids = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
+        return SamplingState(params=params, generator=tracked.generator, token_ids=tracked.request.token_ids,
+                             num_output_tokens=tracked.request.num_output_tokens, end_token_ids=end_ids)
+
+    def _append_token(self, tracked: _Tracked, token: int, now: float) -> None:
+        request, params = tracked.request, tracked.params
+        request.token_ids.append(token)
+        tracked.metrics.on_token(now)
+        self._metrics.generation_tokens += 1
+        num_out = request.num_output_tokens
+        reason = None
+        if num_out >= params.min_new_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            reason = "stop"
+        elif params.stop_strings and num_out >= params.min_new_tokens and self._hit_stop_string(tracked):
+            reason = "stop"
+        elif num_out >= params.max_new_tokens or len(request.token_ids) >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self._finish(tracked, reason)
+
+    def _hit_stop_string(self, tracked: _Tracked) -> bool:
+        text = self._decode(tracked)
+        cuts = [text.find(s) for s in tracked.params.stop_strings]
+        cuts = [c for c in cuts if c >= 0]
+        if cuts:
+            tracked.text = text[: min(cuts)]
+            return True
+        return False
+
+    def _decode(self, tracked: _Tracked) -> str:
+        return self.tokenizer.decode(tracked.output_ids, skip_special_tokens=tracked.params.skip_special_tokens)
+
+    def _finish(self, tracked: _Tracked, reason: str) -> None:
+        if tracked.finish_reason is not None:
+            return
+        self.scheduler.finish(tracked.request)
+        tracked.finish_reason = reason
+        tracked.metrics.finished_time = time.perf_counter()
+        if tracked.text is None and self.tokenizer is not None:
+            tracked.text = self._decode(tracked)
+        self._metrics.on_finished(tracked.metrics, reason)
+        del self._requests[tracked.request.request_id]
+        if tracked.request.request_id in self._watched:
+            self._finished_outputs[tracked.request.request_id] = self._output(tracked)
+
+    def _output(self, tracked: _Tracked) -> RequestOutput:
+        request = tracked.request
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
+            token_ids=list(tracked.output_ids),
+            text=tracked.text,  # set once finished; streaming decodes its own deltas
+            finish_reason=tracked.finish_reason,
+            metrics=tracked.metrics,
+        )
+
+    def _update_gauges(self, sched: SchedulerOutput) -> None:
+        m, pool = self._metrics, self.cache.pool
+        m.num_requests_running = len(self.scheduler.running)
+        m.num_requests_waiting = len(self.scheduler.waiting)
+        m.kv_cache_usage_perc = pool.num_used_blocks / max(pool.num_blocks, 1)
+
+    # ------------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: str | SequenceABC[int] | SequenceABC[str | SequenceABC[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; one `RequestOutput` per prompt, in input order.
+
+        A prompt that is rejected (empty, too long, out-of-vocabulary ids, bad sampling params) gets an
+        output with `finish_reason="error"` and `.error` set; the others still run.
+        """
+        prompts = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompts))
+        ids: list[str | None] = []
+        results: dict[int, RequestOutput] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids.append(self.add_request(prompt, p))
+            except (ValueError, TypeError) as exc:
+                logger.warning("hf_paged: request %d rejected: %s", i, exc)
+                ids.append(None)
+                prompt_ids = list(prompt) if not isinstance(prompt, str) else []
+                results[i] = RequestOutput(request_id=f"rejected-{i}", prompt_token_ids=prompt_ids,
+                                           finish_reason="error", error=exc)
+        live = {rid: i for i, rid in enumerate(ids) if rid is not None}
+        self._watched.update(live)
+        bar = self._progress_bar(len(live), use_tqdm)
+        try:
+            while any(rid in self._requests for rid in live):
+                for out in self.step():
+                    if out.finished and out.request_id in live and bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in live:
+                self.abort(rid)
+            raise
+        finally:
+            self._watched.difference_update(live)
+            if bar is not None:
+                bar.close()
+        for rid, i in live.items():
+            results[i] = self._finished_outputs.pop(rid)
+        return [results[i] for i in range(len(prompts))]
+
+    def stream(
+        self,
+        prompts: str | SequenceABC[int] | SequenceABC[str | SequenceABC[int]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Yield each token as it is produced, in order per request, for one prompt or many.
+
+        Invalid prompts raise before anything runs. Closing the iterator early aborts the requests
+        it started (their blocks are freed)."""
+        prompts = self._as_prompt_list(prompts)
+        params = self._as_params_list(sampling_params, len(prompts))
+        live: dict[str, int] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                live[self.add_request(prompt, p)] = i
+            self._watched.update(live)
+            texts = {rid: "" for rid in live}
+            while any(rid in self._requests for rid in live):
+                for out in self.step():
+                    if out.request_id not in live:
+                        continue
+                    text_delta = None
+                    if self.tokenizer is not None:
+                        full = out.text if out.finished else self.tokenizer.decode(
+                            out.token_ids, skip_special_tokens=True)
+                        text_delta, texts[out.request_id] = full[len(texts[out.request_id]):], full
+                    yield StreamEvent(request_id=out.request_id, index=live[out.request_id],
+                                      token_id=out.token_ids[-1], text=text_delta, finish_reason=out.finish_reason)
+        finally:
+            for rid in live:
+                if rid in self._requests:
+                    self.abort(rid)
+                self._finished_outputs.pop(rid, None)
+            self._watched.difference_update(live)
+
+    def _as_prompt_list(self, prompts) -> list:
+        if isinstance(prompts, str) or torch.is_tensor(prompts):
+            return [prompts]
+        if isinstance(prompts, SequenceABC) and prompts and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompts
+        ):
+            return [list(prompts)]  # one prompt given as token ids
+        if not isinstance(prompts, SequenceABC):
+            raise TypeError(f"prompts must be a string, token ids, or a list of those; got {type(prompts).__name__}")
+        return list(prompts)
+
+    @staticmethod
+    def _as_params_list(sampling_params, n: int) -> list:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts; give one, or one per prompt")
+        return params
+
+    def _progress_bar(self, total: int, use_tqdm: bool | None):
+        show = use_tqdm if use_tqdm is not None else self.show_progress
+        if show is None:
+            show = sys.stderr.isatty() and total > 1
+        if not show:
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc="hf_paged", unit="req")
+
+    # ------------------------------------------------------------------ metrics
+    def metrics(self) -> dict:
+        """Engine-wide metrics keyed by vLLM's names (see `hf_paged.metrics.EngineMetrics.as_dict`)."""
+        self._update_gauges(None)
+        return self._metrics.as_dict()
+
+    def metrics_summary(self) -> str:
+        self._update_gauges(None)
+        return self._metrics.summary()
+
+    def reset_metrics(self) -> None:
+        self._metrics.reset()
