@@ -35,7 +35,8 @@ _MODEL_INPUTS = {"input_ids", "attention_mask"}
 _CONFIG_KEYS = {
     "max_new_tokens", "min_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
     "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "return_dict_in_generate", "use_cache",
-    "num_beams", "num_return_sequences",
+    "num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "num_assistant_tokens",
+    "max_matching_ngram_size",
 }
 # Generation-config fields (as in `to_diff_dict`) whose non-default values the engine honours.
 _SUPPORTED_DIFF = _CONFIG_KEYS | {"transformers_version", "_from_model_config", "max_length"}
@@ -46,7 +47,11 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
     when the call needs something only stock generate provides."""
     if not getattr(model, "hf_paged_use_engine", True) or getattr(model.config, "is_encoder_decoder", False):
         return None
-    if set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"generation_config"}:
+    if set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"generation_config", "assistant_model"}:
+        return None
+    assistant = kwargs.get("assistant_model")
+    if assistant is not None and (not isinstance(assistant, torch.nn.Module)
+                                  or getattr(assistant.config, "is_encoder_decoder", False)):
         return None
     input_ids = inputs if inputs is not None else kwargs.get("input_ids")
     if inputs is not None and "input_ids" in kwargs:
@@ -84,7 +89,8 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         params.validate()
     except (TypeError, ValueError):
         return None
-    engine = Engine(model, **_engine_kwargs(model, len(rows), width + max_new), show_progress=False)
+    engine = Engine(model, **_engine_kwargs(model, len(rows), width + max_new), show_progress=False,
+                    **_speculative_kwargs(gc, assistant))
     engine.eos_token_ids = eos_ids
     outputs = engine.generate(rows, params)
     errors = [o.error for o in outputs if o.error is not None]
@@ -98,6 +104,18 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
     if gc.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
+
+
+def _speculative_kwargs(gc: GenerationConfig, assistant) -> dict:
+    """Assisted generation (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=`) map onto
+    the engine's speculative decoding, for any batch size; at most 15 drafts per step."""
+    if assistant is not None:
+        k = gc.num_assistant_tokens if gc.num_assistant_tokens else 5
+        return dict(draft_model=assistant, num_speculative_tokens=max(1, min(int(k), 15)))
+    if gc.prompt_lookup_num_tokens:
+        return dict(speculative_method="ngram", num_speculative_tokens=max(1, min(int(gc.prompt_lookup_num_tokens), 15)),
+                    prompt_lookup_max=int(gc.max_matching_ngram_size or 2))
+    return {}
 
 
 def _merged_config(model, generation_config, overrides: dict) -> GenerationConfig | None:

@@ -16,7 +16,6 @@ request is preempted and later recomputed (mostly from the prefix cache).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import sys
@@ -29,11 +28,19 @@ import torch
 from .attention import ATTN_IMPLEMENTATION
 from .cache import PagedCache, check_model_supported
 from .config import PagedCacheConfig
-from .hooks import _decoder_of, weights_fingerprint
-from .metadata import build_packed_metadata
+from .hooks import weights_fingerprint
 from .metrics import EngineMetrics, RequestMetrics
+from .runner import Chunk, ModelRunner
 from .sampling import SamplingParams, SamplingState, make_generator, sample
-from .scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from .scheduler import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
+from .speculative import (
+    DraftModelProposer,
+    NgramProposer,
+    ProposalRequest,
+    rejection_sample,
+    target_distributions,
+    verify_greedy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +48,7 @@ logger = logging.getLogger(__name__)
 # what max_num_seqs sequences of max_model_len tokens could ever need.
 DEFAULT_KV_BYTES_CPU = 2 << 30
 DEFAULT_KV_FRACTION_CUDA = 0.5  # of the device memory free when the engine is built
+MAX_SPECULATIVE_TOKENS = 15  # k + 1 verified positions stay within the paged decode kernel's 16
 
 
 @dataclass
@@ -99,7 +107,7 @@ class _Tracked:
         self.metrics = metrics
         self.finish_reason: str | None = None
         self.text: str | None = None
-        self.num_streamed = 0
+        self.draft_probs: torch.Tensor | None = None  # [k, vocab] q of this step's drafts (None: one-hot)
 
     @property
     def output_ids(self) -> list[int]:
@@ -121,6 +129,11 @@ class Engine:
             at what `max_num_seqs` full-length sequences need.
         max_model_len: longest sequence (prompt + output); default the model's max positions.
         show_progress: tqdm bar in `generate`; None = only when stderr is a terminal.
+        draft_model: a smaller causal LM sharing the tokenizer: speculative decoding with it.
+        speculative_method: "draft_model" (implied by `draft_model`), "ngram" (prompt lookup) or None.
+        num_speculative_tokens: tokens drafted per step and request (default 5 when speculating, at
+            most 15); `SamplingParams.num_speculative_tokens` overrides it per request (0 = off).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes the "ngram" proposer tries.
     """
 
     def __init__(
@@ -138,6 +151,11 @@ class Engine:
         cache_salt: str | None = None,
         max_model_len: int | None = None,
         show_progress: bool | None = None,
+        draft_model: torch.nn.Module | None = None,
+        speculative_method: str | None = None,
+        num_speculative_tokens: int | None = None,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 3,
     ):
         check_model_supported(model.config)
         Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)
@@ -163,8 +181,9 @@ class Engine:
         self.scheduler = Scheduler(self.cache.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.eos_token_ids = self._eos_token_ids(model, tokenizer)
-        decoder_params = inspect.signature(_decoder_of(model).forward).parameters
-        self._cache_kwarg = "cache" if "cache" in decoder_params else "past_key_values"
+        self.runner = ModelRunner(model, self.cache)
+        self.proposer, self.num_speculative_tokens = self._make_proposer(
+            draft_model, speculative_method, num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         self._requests: dict[str, _Tracked] = {}
         # Finished outputs kept for `generate`/`stream` calls that own the request (another caller's
         # step() may be the one that finishes it); requests added with add_request are not kept.
@@ -190,6 +209,29 @@ class Engine:
         if num_blocks < 1:
             raise ValueError(f"max_kv_bytes={budget} is smaller than one KV block ({bytes_per_block} bytes)")
         return num_blocks
+
+    def _make_proposer(self, draft_model, method, num_tokens, lookup_min, lookup_max):
+        if draft_model is not None and method not in (None, "draft_model"):
+            raise ValueError(f"draft_model was given but speculative_method={method!r}; use 'draft_model'")
+        method = "draft_model" if draft_model is not None else method
+        if method is None:
+            if num_tokens:
+                raise ValueError("num_speculative_tokens needs draft_model= or speculative_method='ngram'")
+            return None, 0
+        if method not in ("draft_model", "ngram"):
+            raise ValueError(f"speculative_method must be 'draft_model', 'ngram' or None, got {method!r}")
+        num_tokens = 5 if num_tokens is None else num_tokens
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {num_tokens!r}")
+        if method == "ngram":
+            return NgramProposer(lookup_min, lookup_max), num_tokens
+        if draft_model is None:
+            raise ValueError("speculative_method='draft_model' needs draft_model=")
+        check_model_supported(draft_model.config)
+        # As many tokens as the target's pool, plus room for each running request's drafts.
+        blocks = self.cache.pool.num_blocks + self.scheduler.max_num_seqs * -(-num_tokens // self.cache.block_size)
+        return DraftModelProposer(draft_model, num_blocks=blocks, block_size=self.cache.block_size), num_tokens
 
     @staticmethod
     def _eos_token_ids(model, tokenizer) -> list[int]:
@@ -281,9 +323,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns the requests that produced a token or finished in it."""
         self.cache.note_weights(weights_fingerprint(self.model))
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         for request in sched.preempted:
             self._requests[request.request_id].metrics.num_preemptions += 1
+            if self.proposer is not None:
+                self.proposer.free(request.request_id)
         self._metrics.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             if self.scheduler.has_unfinished:
@@ -302,43 +348,90 @@ class Engine:
                 if entry.request.status == RequestStatus.RUNNING:
                     self.scheduler._preempt(entry.request, SchedulerOutput())
             raise
-        sampling = [e for e in sched.scheduled if e.samples]
-        states = [self._sampling_state(self._requests[e.request.request_id]) for e in sampling]
-        tokens = sample(logits, states) if sampling else []
+        # Logit rows: one per sampling request, k + 1 per request verifying k drafts.
+        plain: list[tuple[ScheduledRequest, int]] = []
+        speculative: list[tuple[ScheduledRequest, torch.Tensor]] = []
+        row = 0
+        for entry in sched.scheduled:
+            if not entry.samples:
+                continue
+            n = 1 + len(entry.draft_token_ids)
+            if entry.draft_token_ids:
+                speculative.append((entry, logits[row : row + n]))
+            else:
+                plain.append((entry, row))
+            row += n
+        states = [self._sampling_state(self._requests[e.request.request_id]) for e, _ in plain]
+        tokens = sample(logits[[r for _, r in plain]], states) if plain else []
         now = time.perf_counter()
         updated = []
-        for entry, token in zip(sampling, tokens):
+        for (entry, _), token in zip(plain, tokens):
             tracked = self._requests[entry.request.request_id]
             self._append_token(tracked, token, now)
+            updated.append(self._output(tracked))
+        for entry, rows in speculative:
+            tracked = self._requests[entry.request.request_id]
+            self._commit_verified(tracked, entry, rows, now)
             updated.append(self._output(tracked))
         self._update_gauges(sched)
         return updated
 
-    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:  # [num_sampling_requests, vocab]
-        input_ids, positions, sample_index = [], [], []
-        for entry in sched.scheduled:
-            input_ids.extend(entry.token_ids)
-            positions.extend(range(entry.start, entry.start + len(entry.token_ids)))
-            if entry.samples:
-                sample_index.append(len(input_ids) - 1)
-        meta = build_packed_metadata(
-            q_lens=[len(e.token_ids) for e in sched.scheduled],
-            slots=[e.slots for e in sched.scheduled],
-            block_tables=[e.request.seq.block_table for e in sched.scheduled],
-            seq_lens=[e.request.seq.num_tokens for e in sched.scheduled],
-            copies=sched.copies,
-            device=self.device,
-        )
-        self.cache.begin_step(meta)
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        keep = torch.tensor(sample_index, dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
-                             logits_to_keep=keep, **{self._cache_kwarg: self.cache})
+    def _forward(self, sched: SchedulerOutput) -> torch.Tensor:  # [num logit rows, vocab]
+        chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.slots,
+                        (1 + len(e.draft_token_ids)) if e.samples else 0) for e in sched.scheduled]
+        logits = self.runner.forward(chunks, sched.copies)
         self._metrics.num_steps += 1
-        self._metrics.iteration_tokens.append(len(input_ids))
-        return out.logits[0]
+        self._metrics.iteration_tokens.append(sum(len(e.token_ids) for e in sched.scheduled))
+        return logits
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _num_drafts_for(self, tracked: _Tracked) -> int:
+        request, params = tracked.request, tracked.params
+        k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        # Never draft past what the request may still generate (the last token comes from the target).
+        room = min(params.max_new_tokens - request.num_output_tokens, self.max_model_len - len(request.token_ids))
+        return max(0, min(k, room - 1))
+
+    def _propose(self) -> None:
+        asks = []
+        for request in self.scheduler.running:
+            if request.num_pending_tokens != 1:
+                continue  # still in prefill
+            tracked = self._requests[request.request_id]
+            k = self._num_drafts_for(tracked)
+            if k > 0:
+                asks.append(ProposalRequest(request.request_id, request.token_ids, k, self._sampling_state(tracked)))
+        if not asks:
+            return
+        for ask, proposal in zip(asks, self.proposer.propose(asks)):
+            tracked = self._requests[ask.request_id]
+            drafts = proposal.token_ids[: ask.num_tokens]
+            valid = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), len(drafts))
+            tracked.request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger than ours
+            tracked.draft_probs = None if proposal.probs is None else _fit_vocab(proposal.probs[:valid], self.vocab_size)
+
+    def _commit_verified(self, tracked: _Tracked, entry: ScheduledRequest, rows: torch.Tensor, now: float) -> None:
+        """Verify `entry`'s drafts against the target's logits `rows` ([k + 1, vocab]), commit the
+        accepted tokens plus one, and roll the cache back past the last accepted draft."""
+        drafts = entry.draft_token_ids
+        state = self._sampling_state(tracked)
+        if state.params.is_greedy and not _plain_greedy_needs_processing(state):
+            committed = verify_greedy(rows.argmax(dim=-1).tolist(), drafts)
+        else:
+            dist = target_distributions(rows[:, : self.vocab_size], state, drafts)
+            if state.params.is_greedy:
+                committed = verify_greedy(dist.argmax(dim=-1).tolist(), drafts)
+            else:
+                q = None if tracked.draft_probs is None else tracked.draft_probs[: len(drafts)]
+                committed = rejection_sample(dist, q, drafts, tracked.generator)
+        accepted = len(committed) - 1
+        self._metrics.on_verification(len(drafts), accepted)
+        request = tracked.request
+        for token in committed:
+            self._append_token(tracked, token, now)
+            if tracked.finish_reason is not None:
+                return  # finished (its blocks are already freed)
+        self.scheduler.rollback(request, len(drafts) - accepted)
 
     def _note_admissions(self, sched: SchedulerOutput, now: float) -> None:
         self._metrics.prefix_cache_queries += sched.num_prefix_query_tokens
@@ -393,6 +486,8 @@ class Engine:
         if tracked.finish_reason is not None:
             return
         self.scheduler.finish(tracked.request)
+        if self.proposer is not None:
+            self.proposer.free(tracked.request.request_id)
         tracked.finish_reason = reason
         tracked.metrics.finished_time = time.perf_counter()
         if tracked.text is None and self.tokenizer is not None:
@@ -541,3 +636,17 @@ class Engine:
 
     def reset_metrics(self) -> None:
         self._metrics.reset()
+
+
+def _plain_greedy_needs_processing(state: SamplingState) -> bool:
+    p = state.params
+    return p.repetition_penalty != 1.0 or (p.min_new_tokens > state.num_output_tokens and bool(state.end_token_ids))
+
+
+def _fit_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft distributions over the target's vocabulary (a draft may pad its vocabulary differently)."""
+    if probs.shape[-1] == vocab_size:
+        return probs
+    if probs.shape[-1] > vocab_size:
+        return probs[:, :vocab_size]
+    return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))

@@ -111,6 +111,59 @@ class EngineMetrics:
         self.num_requests_running = 0
         self.num_requests_waiting = 0
         self.kv_cache_usage_perc = 0.0
+        # Speculative decoding (one "draft" = one request's k drafts verified in one target forward).
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
+        self.spec_drafted_per_pos: list[int] = []
+        self.spec_num_rejections = 0  # verifications that stopped at a rejected draft
+        self.spec_predicted_tokens: list[float] = []  # closed-form tokens/forward per verification (filled lazily)
+        self.spec_k_values: list[int] = []
+
+    def on_verification(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        self.spec_k_values.append(num_drafts)
+        if num_accepted < num_drafts:
+            self.spec_num_rejections += 1
+        while len(self.spec_accepted_per_pos) < num_drafts:
+            self.spec_accepted_per_pos.append(0)
+            self.spec_drafted_per_pos.append(0)
+        for pos in range(num_drafts):
+            self.spec_drafted_per_pos[pos] += 1
+            if pos < num_accepted:
+                self.spec_accepted_per_pos[pos] += 1
+
+    def spec_summary(self) -> dict:
+        """Speculative decoding figures. `acceptance_rate` is vLLM's accepted / drafted tokens;
+        `alpha` is the per-token acceptance probability (accepted / drafts actually judged: a
+        verification stops at its first rejection), the alpha of the closed form
+        E[tokens per target forward] = (1 - alpha^(k+1)) / (1 - alpha), averaged over the k used."""
+        from .speculative import expected_tokens_per_forward
+
+        n = self.spec_num_drafts
+        judged = self.spec_num_accepted_tokens + self.spec_num_rejections
+        alpha = self.spec_num_accepted_tokens / judged if judged else None
+        measured = (self.spec_num_accepted_tokens + n) / n if n else None
+        predicted = (sum(expected_tokens_per_forward(alpha, k) for k in self.spec_k_values) / n
+                     if n and alpha is not None else None)
+        return {
+            "vllm:spec_decode_num_drafts": n,
+            "vllm:spec_decode_num_draft_tokens": self.spec_num_draft_tokens,
+            "vllm:spec_decode_num_accepted_tokens": self.spec_num_accepted_tokens,
+            "vllm:spec_decode_num_accepted_tokens_per_pos": list(self.spec_accepted_per_pos),
+            "acceptance_rate": (self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+                                if self.spec_num_draft_tokens else None),
+            "acceptance_rate_per_pos": [a / d if d else None for a, d in
+                                        zip(self.spec_accepted_per_pos, self.spec_drafted_per_pos)],
+            "alpha": alpha,
+            "mean_acceptance_length": measured,  # vLLM's: 1 + accepted / drafts
+            "tokens_per_target_forward": measured,
+            "predicted_tokens_per_target_forward": predicted,
+            "mean_num_speculative_tokens": sum(self.spec_k_values) / n if n else None,
+        }
 
     def on_finished(self, metrics: RequestMetrics, reason: str) -> None:
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
@@ -150,6 +203,7 @@ class EngineMetrics:
             "prompt_throughput_tokens_per_s": self.prompt_tokens / elapsed,
             "generation_throughput_tokens_per_s": self.generation_tokens / elapsed,
             "prefix_cache_hit_rate": hit_rate,
+            **(self.spec_summary() if self.spec_num_drafts else {}),
         }
 
     def summary(self) -> str:

@@ -32,6 +32,8 @@ class SamplingParams:
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         repetition_penalty: transformers' CTRL-style penalty on tokens already in prompt or output (1 disables).
         skip_special_tokens: drop special tokens when decoding `.text`.
+        num_speculative_tokens: tokens drafted per step for this request when the engine speculates
+            (None: the engine's setting; 0: no speculation for this request).
 
     Values are checked by `validate()`, which the engine calls when a request is added, so one bad
     request is reported on its own instead of failing a whole batch.
@@ -48,6 +50,7 @@ class SamplingParams:
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    num_speculative_tokens: int | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -91,6 +94,11 @@ class SamplingParams:
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
+        if self.num_speculative_tokens is not None and (
+            not is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= 15
+        ):
+            raise ValueError(f"num_speculative_tokens must be None or an integer in [0, 15], got "
+                             f"{self.num_speculative_tokens!r}")
         if not isinstance(self.repetition_penalty, (int, float)) or not (
             math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
         ):
@@ -142,9 +150,11 @@ def _needs_processing(state: SamplingState) -> bool:
     return p.repetition_penalty != 1.0 or (state.num_output_tokens < p.min_new_tokens and bool(state.end_token_ids))
 
 
-def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
+def processed_logits(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """[vocab] logits after the request's processors, in transformers' order: repetition penalty,
+    `min_new_tokens` mask, then (when sampling) temperature, top-k and top-p (-inf outside)."""
     p = state.params
-    row = row.clone()
+    row = row.float().clone()
     if p.repetition_penalty != 1.0 and state.token_ids:
         ids = torch.tensor(sorted(set(state.token_ids)), device=row.device)
         score = row[ids]
@@ -152,7 +162,7 @@ def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
     if state.num_output_tokens < p.min_new_tokens and state.end_token_ids:
         row[torch.tensor(state.end_token_ids, device=row.device)] = float("-inf")
     if p.is_greedy:
-        return int(row.argmax())
+        return row
     row = row / p.temperature
     if p.top_k and p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
@@ -163,5 +173,11 @@ def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
         remove = cum <= (1 - p.top_p)
         remove[-1] = False  # always keep the most likely token
         row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    probs = row.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=state.generator))
+    return row
+
+
+def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
+    row = processed_logits(row, state)
+    if state.params.is_greedy:
+        return int(row.argmax())
+    return int(torch.multinomial(row.softmax(dim=-1), 1, generator=state.generator))

@@ -63,6 +63,8 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
+    # Speculative tokens proposed for the next step (set by the engine, consumed by `schedule`).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_pending_tokens(self) -> int:
@@ -84,6 +86,8 @@ class ScheduledRequest:
         slots: one KV slot per token, -1 where the block is a prefix-cache hit (nothing to write).
         samples: True when this chunk reaches the end of `token_ids`, so its last logits yield the
             request's next token; False for a prompt chunk that stops short of it.
+        draft_token_ids: speculative tokens appended after the request's last token (the tail of
+            `token_ids` here); the engine verifies them and `rollback`s the rejected ones.
     """
 
     request: Request
@@ -91,6 +95,7 @@ class ScheduledRequest:
     token_ids: list[int]
     slots: list[int]
     samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -192,7 +197,12 @@ class Scheduler:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_pending_tokens, budget)
+            drafts = request.spec_token_ids if request.num_pending_tokens == 1 else []
+            request.spec_token_ids = []
+            num_new = min(request.num_pending_tokens + len(drafts), budget)
+            drafts = drafts[: num_new - 1]
+            if drafts and not self.manager.can_append(request.seq, num_new):
+                drafts, num_new = [], 1  # speculation never preempts anyone
             while not self.manager.can_append(request.seq, num_new):
                 victim = self._newest_unscheduled(scheduled_ids)
                 self._preempt(victim, out)
@@ -200,7 +210,7 @@ class Scheduler:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            self._schedule_chunk(request, num_new, out)
+            self._schedule_chunk(request, num_new, out, drafts)
             scheduled_ids.add(request.request_id)
             budget -= num_new
 
@@ -232,15 +242,25 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Forget the last `num_tokens` computed tokens (rejected speculative tokens): their slots
+        are released and their blocks truncated, so nothing stale is ever read."""
+        if num_tokens:
+            self.manager.truncate(request.seq, num_tokens)
+            request.num_computed_tokens -= num_tokens
+
+    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput,
+                        drafts: list[int] | None = None) -> None:
+        drafts = list(drafts or [])
         start = request.num_computed_tokens
-        tokens = request.token_ids[start : start + num_new]
+        tokens = request.token_ids[start : start + num_new - len(drafts)] + drafts
         result = self.manager.append_tokens(request.seq, tokens)
         out.copies.extend(result.copies)
         request.num_computed_tokens += num_new
         out.scheduled.append(ScheduledRequest(
             request=request, start=start, token_ids=tokens, slots=result.slots,
-            samples=request.num_computed_tokens == len(request.token_ids),
+            samples=request.num_computed_tokens - len(drafts) == len(request.token_ids),
+            draft_token_ids=drafts,
         ))
 
     def _newest_unscheduled(self, scheduled_ids: set[str]) -> Request:

@@ -349,3 +349,249 @@ def test_bogus_backend_raises(monkeypatch):
 def test_known_backends_pick_torch_on_cpu(monkeypatch, choice):
     monkeypatch.setenv("HF_PAGED_BACKEND", choice)
     assert kernels.backend(torch.device("cpu")) == "torch"
+
+
+# ---------------------------------------------------------------------------------------------- #
+# The grouped plan: buckets of short queries, one call per long query, the workspace, autograd,
+# and non-finite values in slots that are gathered (whole blocks) but must be masked off.
+
+# (seq_len, q_len) rows of a step that splits into many groups: twelve decodes with KV lengths from
+# 1 to 300 (several buckets, some with more than one sequence, so rows get padded to the bucket's
+# longest), speculative-verify rows with 4 and 16 queries (16 is the largest "short" query; (16, 16)
+# is a short full prefill, q_len == seq_len), and four long queries (17 > 16), each its own call:
+# full prefills (17, 17) and (60, 60) and chunks on a cached prefix (77, 17) and (200, 60). A q_len
+# 0 row sits in the middle.
+BUCKETED_BATCH = [
+    (300, 1), (17, 17), (260, 1), (190, 1), (64, 4), (150, 1), (130, 16), (101, 1), (77, 17), (70, 1),
+    (45, 1), (0, 0), (40, 4), (30, 1), (60, 60), (17, 1), (16, 16), (9, 1), (200, 60), (3, 1), (1, 1),
+]
+
+
+def make_plan(batch, block_size, workspace=None):
+    return reference.AttentionPlan(batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, batch.max_seqlen_q,
+                                   batch.max_seqlen_k, block_size, workspace=workspace)
+
+
+def run_with_plan(batch, scale, plan, **features):
+    return reference.paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.cu_seqlens_q, batch.max_seqlen_q, batch.max_seqlen_k, scale, plan=plan, **features,
+    )
+
+
+@pytest.mark.parametrize("feature", ["none", "window", "all"])  # SDPA unmasked/masked, explicit math
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", HEAD_LAYOUTS[:3], ids=["1to1", "3to1", "5to1"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_paged_attention_bucketed_mixed_step(block_size, num_q_heads, num_kv_heads, feature):
+    head_dim = 32
+    batch = make_paged_batch(BUCKETED_BATCH, block_size, num_q_heads, num_kv_heads, head_dim, torch.float32,
+                             seed=51 + block_size + num_q_heads, query_scale=2.0)
+    scale = head_dim ** -0.5
+    sinks = torch.randn(num_q_heads, generator=torch.Generator().manual_seed(4)) * 2
+    features = {"none": {}, "window": dict(sliding_window=8),
+                "all": dict(sliding_window=8, softcap=20.0, sinks=sinks)}[feature]
+    expected = naive_batch(batch, scale, **features)
+
+    plan = make_plan(batch, block_size, workspace=reference.Workspace())
+    # The split really happens: each long query alone, the short ones in several buckets, at least
+    # two of which batch more than one sequence (so rows are padded to a longer KV length).
+    q_lens = [q for _, q in BUCKETED_BATCH]
+    num_long = sum(q > 16 for q in q_lens)
+    assert len(plan.groups) > 2
+    assert len(plan.groups) >= num_long + 3
+    assert sum(g.num_seqs > 1 for g in plan.groups) >= 2
+    # ...and every token is attended by exactly one group.
+    covered = torch.cat([g.token_index for g in plan.groups]).sort().values
+    assert torch.equal(covered, torch.arange(sum(q_lens)))
+
+    assert_matches(run_with_plan(batch, scale, plan, **features), expected, torch.float32)  # 1e-5
+    # The same plan again (a second layer), and no plan at all, give the same answer.
+    assert_matches(run_with_plan(batch, scale, plan, **features), expected, torch.float32)
+    assert_matches(run_reference(batch, scale, **features), expected, torch.float32)
+
+
+@pytest.mark.parametrize("feature", ["none", "window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("block_size,seq_len,num_q_heads,num_kv_heads",
+                         [(16, 32, 6, 2), (16, 48, 4, 4), (1, 23, 10, 2), (32, 64, 5, 1)],
+                         ids=["b16s32", "b16s48", "b1s23", "b32s64"])
+def test_paged_attention_uniform_decode(block_size, seq_len, num_q_heads, num_kv_heads, feature):
+    # Every sequence decodes one token and has exactly a whole number of blocks: the case where the
+    # plan drops the mask. A sliding window (or softcap/sinks) must still be honoured there.
+    head_dim = 32
+    rows = [(seq_len, 1)] * 6
+    batch = make_paged_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, torch.float32,
+                             seed=61 + block_size + seq_len, query_scale=4.0)
+    scale = head_dim ** -0.5
+    # Sink logits near the largest scores (query_scale 4 puts them around 5-10), so they take real mass.
+    sinks = torch.randn(num_q_heads, generator=torch.Generator().manual_seed(6)) * 2 + 6
+    features = {
+        "none": {}, "window": dict(sliding_window=7), "softcap": dict(softcap=5.0), "sinks": dict(sinks=sinks),
+        "all": dict(sliding_window=7, softcap=5.0, sinks=sinks),
+    }[feature]
+    expected = naive_batch(batch, scale, **features)
+    for name in features:  # each feature moves the oracle here, so ignoring it cannot pass
+        without = naive_batch(batch, scale, **{**features, name: None})
+        assert (expected - without).abs().max() > 0.1, f"{name} does not change this case"
+
+    plan = make_plan(batch, block_size, workspace=reference.Workspace())
+    assert len(plan.groups) == 1 and plan.groups[0].is_uniform_decode  # the special case is hit
+    assert_matches(run_with_plan(batch, scale, plan, **features), expected, torch.float32)  # 1e-5
+    # The memoised mask of one window must not leak into another call on the same plan.
+    if "sliding_window" in features:
+        plain = {**features, "sliding_window": None}
+        assert_matches(run_with_plan(batch, scale, plan, **plain), naive_batch(batch, scale, **plain), torch.float32)
+        assert_matches(run_with_plan(batch, scale, plan, **features), expected, torch.float32)
+
+
+def test_paged_attention_workspace_reuse_across_shapes_and_dtypes():
+    ws = reference.Workspace()
+    scale = 32 ** -0.5
+
+    def check(rows, block_size, heads, dtype, seed):
+        batch = make_paged_batch(rows, block_size, *heads, 32, dtype, seed=seed)
+        out = run_with_plan(batch, scale, make_plan(batch, block_size, workspace=ws))
+        assert_matches(out, naive_batch(batch, scale), dtype)  # fp32 1e-5, fp16 1e-2
+        return batch, out
+
+    # Small first (the buffer is created), then bigger (it must regrow), then smaller again (a view of
+    # the front of the big one), then another dtype (its own buffer), then a different head layout.
+    small_rows = [(9, 1), (30, 4), (3, 1)]
+    _, out_small = check(small_rows, 16, (4, 4), torch.float32, seed=71)
+    small_copy = out_small.clone()
+    big, out_big = check(BUCKETED_BATCH, 16, (6, 2), torch.float32, seed=72)
+    big_copy = out_big.clone()
+    assert ws._buffers, "the workspace was never used"
+    _, out_small2 = check(small_rows, 32, (4, 4), torch.float32, seed=73)
+    _, out_half = check(MIXED_BATCH, 16, (6, 2), torch.float16, seed=74)
+    check([(40, 1), (17, 17), (64, 3)], 16, (10, 2), torch.float32, seed=75)
+
+    # Earlier outputs own their memory: later calls through the same buffers did not change them.
+    assert torch.equal(out_small, small_copy)
+    assert torch.equal(out_big, big_copy)
+    buffers = {buf.untyped_storage().data_ptr() for buf in ws._buffers.values()}
+    for out in (out_small, out_big, out_small2, out_half):
+        assert out.untyped_storage().data_ptr() not in buffers
+    # Re-running the big step on the now warm workspace is bitwise the same as the first run.
+    again = run_with_plan(big, scale, make_plan(big, 16, workspace=ws))
+    assert torch.equal(again, big_copy)
+
+
+def _paged_batch_with_grad(rows, block_size, num_q_heads, num_kv_heads, head_dim, seed, query_grad=True):
+    """A batch whose K/V enter the pool through `store_kv` from leaf tensors that require grad (as
+    in training), plus fp64 leaf copies for the oracle."""
+    batch = make_paged_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, torch.float32, seed=seed)
+    keys = [k.clone().requires_grad_() for k in batch.keys]
+    values = [v.clone().requires_grad_() for v in batch.values]
+    tables = batch.block_tables.tolist()
+    slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size
+                          for b, (s, _) in enumerate(rows) for p in range(s)], dtype=torch.int64)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()  # garbage + the rows
+    reference.store_kv(torch.cat(keys), torch.cat(values), key_cache, value_cache, slots)
+    query = batch.query.clone().requires_grad_(query_grad)
+    return batch, query, keys, values, key_cache, value_cache
+
+
+@pytest.mark.parametrize("with_features", [False, True], ids=["sdpa", "math"])
+def test_paged_attention_grad_matches_naive_and_bypasses_workspace(with_features):
+    rows = [(54, 1), (17, 4), (9, 1), (40, 20), (16, 16), (33, 1)]
+    block_size, num_q_heads, num_kv_heads, head_dim = 16, 6, 2, 32
+    batch, query, keys, values, key_cache, value_cache = _paged_batch_with_grad(
+        rows, block_size, num_q_heads, num_kv_heads, head_dim, seed=81)
+    scale = head_dim ** -0.5
+    features = dict(sliding_window=8, softcap=20.0, sinks=torch.randn(num_q_heads)) if with_features else {}
+    weights = torch.randn(batch.query.shape, generator=torch.Generator().manual_seed(8))
+
+    plan = make_plan(batch, block_size, workspace=reference.Workspace())  # must be ignored under autograd
+    with torch.enable_grad():
+        out = reference.paged_attention(query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                                        batch.cu_seqlens_q, batch.max_seqlen_q, batch.max_seqlen_k, scale,
+                                        plan=plan, **features)
+        (out * weights).sum().backward()
+
+        q64 = batch.query.double().requires_grad_()
+        k64 = [k.detach().double().requires_grad_() for k in keys]
+        v64 = [v.detach().double().requires_grad_() for v in values]
+        cu = batch.cu_seqlens_q.tolist()
+        expected = torch.cat([naive_attention(q64[cu[b]:cu[b + 1]], k64[b], v64[b], scale, **features)
+                              for b in range(len(rows))])
+        (expected * weights.double()).sum().backward()
+
+    assert_matches(out.detach(), expected.detach(), torch.float32)  # 1e-5
+    torch.testing.assert_close(query.grad.double(), q64.grad, atol=1e-5, rtol=1e-5)
+    for got, want in zip(keys + values, k64 + v64):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+    # The garbage-filled pool slots never get a gradient path: all K/V grads were accounted above,
+    # and the cache tensors themselves are not leaves.
+    assert key_cache.grad_fn is not None and value_cache.grad_fn is not None
+
+
+def test_paged_attention_grad_through_cache_only_with_workspace():
+    # K/V require grad (e.g. adapters on k_proj/v_proj only) but the query does not. Autograd still
+    # keeps the gathered K/V, so the workspace must not be used for them either.
+    rows = [(54, 1), (17, 4), (40, 20)]
+    block_size, num_q_heads, num_kv_heads, head_dim = 16, 6, 2, 32
+    batch, query, keys, values, key_cache, value_cache = _paged_batch_with_grad(
+        rows, block_size, num_q_heads, num_kv_heads, head_dim, seed=82, query_grad=False)
+    scale = head_dim ** -0.5
+    plan = make_plan(batch, block_size, workspace=reference.Workspace())
+    with torch.enable_grad():
+        out = reference.paged_attention(query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                                        batch.cu_seqlens_q, batch.max_seqlen_q, batch.max_seqlen_k, scale,
+                                        plan=plan)
+        out.sum().backward()
+        v64 = [v.detach().double().requires_grad_() for v in values]
+        cu = batch.cu_seqlens_q.tolist()
+        expected = torch.cat([naive_attention(batch.query[cu[b]:cu[b + 1]], batch.keys[b], v64[b], scale)
+                              for b in range(len(rows))])
+        expected.sum().backward()
+    assert_matches(out.detach(), expected.detach(), torch.float32)  # 1e-5
+    for got, want in zip(values, v64):
+        torch.testing.assert_close(got.grad.double(), want.grad, atol=1e-5, rtol=1e-5)
+
+
+def _poison_unused_slots(batch, rows, block_size, pad_block, fill):
+    """Fill every pool slot that holds no sequence's token with `fill` (NaN or inf), and point every
+    padding entry of the block table at block 0, which is made either the partly filled last block
+    of some sequence (its tail is poison, its head another sequence's K/V) or a block nobody owns."""
+    seq_lens = [s for s, _ in rows]
+    num_blocks = batch.key_cache.shape[0]
+    owned = [math.ceil(s / block_size) for s in seq_lens]
+    tables = batch.block_tables
+    if pad_block == "partial":
+        target = next(int(tables[b, n - 1]) for b, (s, n) in enumerate(zip(seq_lens, owned)) if s % block_size)
+    else:
+        used = {int(tables[b, i]) for b, n in enumerate(owned) for i in range(n)}
+        target = next(i for i in range(num_blocks) if i not in used)
+    swap = torch.arange(num_blocks)  # relabel block `target` as block 0 and vice versa
+    swap[0], swap[target] = target, 0
+    tables = swap[tables.long()].to(torch.int32)
+    batch.key_cache = batch.key_cache[swap].clone()
+    batch.value_cache = batch.value_cache[swap].clone()
+    for b, n in enumerate(owned):
+        tables[b, n:] = 0
+    batch.block_tables = tables
+    valid = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for b, s in enumerate(seq_lens):
+        pos = torch.arange(s)
+        valid[tables[b].long()[pos // block_size] * block_size + pos % block_size] = True
+    for cache in (batch.key_cache, batch.value_cache):
+        cache.view(-1, *cache.shape[2:])[~valid] = fill
+    assert not bool(valid.view(num_blocks, block_size)[0].all())  # block 0 does hold poison
+    return batch
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("with_features", [False, True], ids=["sdpa", "math"])
+@pytest.mark.parametrize("block_size,pad_block", [(16, "partial"), (32, "partial"), (16, "unowned"), (1, "unowned")])
+def test_paged_attention_poisoned_unused_slots_are_masked(block_size, pad_block, with_features, fill):
+    # Block-granular gathers read whole blocks, slots past seq_len and padding entries of the table
+    # included; whatever sits there (stale NaN/inf from a freed block's previous owner) must be masked
+    # off, not multiplied by a zero probability (0 * NaN = NaN).
+    rows = MIXED_BATCH
+    batch = make_paged_batch(rows, block_size, 6, 2, 32, torch.float32, seed=91 + block_size)
+    batch = _poison_unused_slots(batch, rows, block_size, pad_block, fill)
+    scale = 32 ** -0.5
+    features = dict(sliding_window=8, softcap=20.0, sinks=torch.randn(6)) if with_features else {}
+    out = run_with_plan(batch, scale, make_plan(batch, block_size, workspace=reference.Workspace()), **features)
+    assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).any(-1).any(-1).sum())} tokens not finite"
+    assert_matches(out, naive_batch(batch, scale, **features), torch.float32)  # 1e-5

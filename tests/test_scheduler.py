@@ -527,6 +527,48 @@ def test_preempted_request_recomputes_all_its_tokens_and_samples_only_at_the_end
     assert b.token_ids == b_tokens + [b.token_ids[-1]] and len(b.token_ids) == len(b_tokens) + 1
 
 
+def test_an_older_continuation_never_preempts_a_request_already_scheduled_in_the_step():
+    # bs 1: one block per token. b (newer) decodes first and takes the last free block; a (older)
+    # then needs 3 blocks. b's slots are already handed out, so a must preempt itself, not b.
+    pool, s = make(5, 1, caching=False, budget=8)
+    a, b = req([1, 2], max_new=3, rid="a"), req([3], max_new=4, rid="b")
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert pool.num_free_blocks == 2
+    a.token_ids.extend([0, 0])  # a has 3 pending tokens: a prefill continuation
+    out = schedule(s)
+    assert who(out) == ["b"] and out.preempted == [a]
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 2
+    assert list(s.waiting) == [a] and a.num_preemptions == 1
+
+
+def test_preempted_request_hashes_again_after_a_prefix_cache_reset():
+    # b is preempted right after a reset, before it appended anything: on resume it restarts from
+    # nothing, so its blocks are hashed again (a, alive across the reset and appending, is not).
+    pool, s = make(6, 2, caching=True, budget=16)
+    a, b = req([1, 2, 3, 4], max_new=4, rid="a"), req([5, 6, 7, 8], max_new=4, rid="b")
+    s.add(a)
+    s.add(b)
+    for _ in range(3):
+        step(s)
+    assert pool.num_free_blocks == 0 and b.num_output_tokens == 3
+    pool.reset_prefix_cache()
+    out = step(s)  # a needs a block for its 7th token: b is preempted
+    assert out.preempted == [b]
+    assert not a.seq.is_cacheable  # block_pool: alive across the reset, so never hashed again
+    s.finish(a)
+    out = step(s)
+    assert who(out) == ["b"] and out.num_prefix_hit_tokens == 0  # the reset forgot everything
+    assert b.seq.is_cacheable and len(b.seq.block_hashes) == 3
+    assert pool.num_cached_blocks == 3
+    c = req(b.token_ids[:7], max_new=1, rid="c")
+    s.finish(b)
+    s.add(c)
+    step(s)
+    assert c.num_cached_tokens == 6
+
+
 def test_resumed_request_hits_its_cached_full_blocks():
     pool, s = make(5, 4, caching=True, budget=16)
     a, b = req(range(8), max_new=4, rid="a"), req(range(20, 28), max_new=4, rid="b")

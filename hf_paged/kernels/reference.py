@@ -107,6 +107,10 @@ class _Group:
         self.q_idx = self.token_index - starts[self.seq_ids]  # [Tg]
         rows = torch.tensor(seqs, device=device)
         self.blocks = block_tables[rows, :num_blocks].long().flatten()  # [Sg * num_blocks]
+        # Gathered rows past each sequence's length (its last block's tail, table padding): zeroed
+        # after the gather, since a stale NaN/inf there would turn a masked 0 weight into NaN.
+        past_end = torch.arange(self.max_seqlen_k, device=device)[None, :] >= g_seq_lens[:, None]  # [Sg, Kmax]
+        self.invalid_rows = past_end.flatten().nonzero().flatten()
         self.q_pos = (g_seq_lens - g_q_lens)[:, None] + torch.arange(self.max_seqlen_q, device=device)  # [Sg, Qmax]
         self.k_pos = torch.arange(self.max_seqlen_k, device=device)
         self.is_pad_row = torch.arange(self.max_seqlen_q, device=device)[None, :] >= g_q_lens[:, None]  # [Sg, Qmax]
@@ -136,6 +140,8 @@ class _Group:
             blocks = cache.index_select(0, self.blocks)
         else:
             blocks = torch.index_select(cache, 0, self.blocks, out=buffer)
+        if length is None and self.invalid_rows.numel():
+            blocks.view(-1, num_kv_heads, head_dim).index_fill_(0, self.invalid_rows, 0)
         out = blocks.view(self.num_seqs, self.max_seqlen_k, num_kv_heads, head_dim)[:, :length]
         return out.to(dtype).transpose(1, 2)
 
@@ -211,7 +217,9 @@ def paged_attention(
     if plan is None:
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
     # Scratch buffers are reused by the next layer: only where autograd will not keep the K/V.
-    workspace = plan.workspace if not (query.requires_grad and torch.is_grad_enabled()) else None
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
+                                              or value_cache.requires_grad)
+    workspace = None if needs_grad else plan.workspace
     for group in plan.groups:
         buffers = [None, None]
         if workspace is not None:

@@ -102,14 +102,14 @@ def _install_generate() -> None:
     _original_generate = original_generate
 
     @functools.wraps(original_generate)
-    def generate(self, inputs=None, generation_config=None, **kwargs):
-        if self.config._attn_implementation == "hf_paged":
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        if self.config._attn_implementation == "hf_paged" and not args:
             from ..batch_generate import try_engine_generate
 
             result = try_engine_generate(self, inputs, generation_config, kwargs)
             if result is not None:
                 return result
-        return original_generate(self, inputs, generation_config, **kwargs)
+        return original_generate(self, inputs, generation_config, *args, **kwargs)
 
     GenerationMixin.generate = generate
 
