@@ -16,6 +16,7 @@ from .config import PagedCacheConfig
 from .engine import Engine, RequestOutput, StreamEvent
 from .hooks import attach, detach
 from .sampling import SamplingParams
+from .speculative import layer_skip_draft
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "PagedCacheConfig",
     "attach",
     "detach",
+    "layer_skip_draft",
     "paged_attention_forward",
     "register",
 ]

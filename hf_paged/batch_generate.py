@@ -26,7 +26,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .config import PagedCacheConfig
+from .config import PagedCacheConfig, check_pool_fits
 from .engine import Engine
 from .sampling import SamplingParams
 
@@ -89,7 +89,9 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         params.validate()
     except (TypeError, ValueError):
         return None
-    engine = Engine(model, **_engine_kwargs(model, len(rows), width + max_new), show_progress=False,
+    engine_kwargs = _engine_kwargs(model, len(rows), width + max_new)
+    check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], width + max_new)
+    engine = Engine(model, **engine_kwargs, show_progress=False,
                     **_speculative_kwargs(gc, assistant))
     engine.eos_token_ids = eos_ids
     outputs = engine.generate(rows, params)

@@ -54,3 +54,12 @@ class PagedCacheConfig:
             raise ValueError(
                 f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of {SUPPORTED_KV_CACHE_DTYPES}"
             )
+
+
+def check_pool_fits(num_blocks: int | None, block_size: int, max_length: int | None) -> None:
+    """Raise ValueError if a fixed pool of `num_blocks` can never hold one sequence of `max_length`."""
+    if num_blocks is not None and max_length is not None and num_blocks * block_size < max_length:
+        raise ValueError(
+            f"num_blocks={num_blocks} with block_size={block_size} holds {num_blocks * block_size} "
+            f"tokens, too few for one sequence of max_length={max_length}"
+        )

@@ -274,6 +274,7 @@ class Scheduler:
         self.running.remove(request)
         self.manager.free(request.seq)
         request.seq.prefix_epoch = None  # it restarts from nothing: hashing may resume
+        request.spec_token_ids = []  # proposed after its last token; re-admission samples a new one
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING

@@ -170,7 +170,8 @@ class DraftModelProposer:
 
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.cache = PagedCache(model.config, PagedCacheConfig(block_size=block_size, num_blocks=num_blocks))
+        self.cache = PagedCache(_config_for_layers_present(model),
+                                PagedCacheConfig(block_size=block_size, num_blocks=num_blocks))
         self.manager = self.cache.manager
         self.runner = ModelRunner(model, self.cache)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -238,6 +239,25 @@ class DraftModelProposer:
         return proposals
 
 
+def _config_for_layers_present(model: torch.nn.Module):
+    """The model's config, cut to the decoder layers it really has (a layer-skip draft shares the
+    full model's config but runs fewer layers; its cache must expect only those)."""
+    import copy
+
+    from .hooks import _decoder_of
+
+    layers = getattr(_decoder_of(model), "layers", None)
+    text = model.config.get_text_config(decoder=True)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) >= text.num_hidden_layers:
+        return model.config
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config(decoder=True)
+    text.num_hidden_layers = len(layers)
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types[: len(layers)])
+    return config
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -258,12 +278,14 @@ def layer_skip_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module
     """A self-speculative draft: the target's first `num_layers` decoder layers, its final norm and
     its LM head, sharing the target's weights (no copy). Use it as `draft_model`.
 
+    The draft shares the target's config object too, so it always runs the same attention
+    implementation (transformers' decoders loop over `self.layers[: num_hidden_layers]`, which is
+    simply the shorter list here). Its `PagedCache` allocates only the layers that run.
+
     Raises:
         ValueError: `num_layers` is not in [1, the model's layer count], or the model's decoder has no
             `layers` list to cut.
     """
-    import copy
-
     from .hooks import _decoder_of
 
     decoder = _decoder_of(model)
@@ -272,13 +294,8 @@ def layer_skip_draft(model: torch.nn.Module, num_layers: int) -> torch.nn.Module
         raise ValueError(f"cannot build a layer-skip draft of {type(model).__name__}: its decoder has no `layers`")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be an integer in [1, {len(layers)}], got {num_layers!r}")
-    config = copy.deepcopy(model.config)
-    text = config.get_text_config(decoder=True)
-    text.num_hidden_layers = num_layers
-    if getattr(text, "layer_types", None):
-        text.layer_types = list(text.layer_types[:num_layers])
     with torch.device("meta"):
-        draft = type(model)(config)
+        draft = type(model)(model.config)
     draft_decoder = _decoder_of(draft)
     for name, child in model.named_children():
         if child is not decoder:

@@ -24,6 +24,7 @@ def test_padded_batch_kv_bytes(block_size):
     stock = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
                            min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)
     model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # this measures generate's PagedCache (the engine returns no cache)
     model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=block_size)
     out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
                          min_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True)

@@ -161,6 +161,7 @@ def test_assisted_generation():
     greedy = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=20, do_sample=False)
     model.set_attn_implementation("hf_paged")
     assistant.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # stock assisted generation over a PagedCache (test_speculative: the engine)
     out = model.generate(input_ids, attention_mask=attention_mask, assistant_model=assistant,
                          max_new_tokens=20, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, ref)

@@ -62,9 +62,14 @@ def req(prompt, max_new: int = 16, rid: str | None = None) -> Request:
     )
 
 
+def fake_next(token_ids: list[int]) -> int:
+    """The fake model's next token: deterministic in the history, so equal prefixes sample equal
+    tokens (cache hits) and a draft can be checked against it."""
+    return (sum(token_ids) * 7 + len(token_ids)) % 5
+
+
 def fake_token(request: Request) -> int:
-    """Deterministic in the token history, so equal prefixes sample equal tokens (cache hits)."""
-    return (sum(request.token_ids) * 7 + len(request.token_ids)) % 5
+    return fake_next(request.token_ids)
 
 
 def sample(out: SchedulerOutput) -> None:
@@ -104,16 +109,21 @@ def check_step(sched: Scheduler, out: SchedulerOutput, held_before: dict[int, se
         r = e.request
         assert r.status == RequestStatus.RUNNING and r in sched.running
         assert len(e.token_ids) >= 1
-        assert e.token_ids == r.token_ids[e.start : e.start + len(e.token_ids)]
+        real = len(e.token_ids) - len(e.draft_token_ids)  # drafts (speculation) follow the real tokens
+        assert real >= 1 and e.token_ids[real:] == e.draft_token_ids
+        assert e.token_ids[:real] == r.token_ids[e.start : e.start + real]
         assert r.num_computed_tokens == e.start + len(e.token_ids)
-        assert e.samples == (r.num_computed_tokens == len(r.token_ids))
+        assert e.samples == (e.start + real == len(r.token_ids))
+        assert e.samples or not e.draft_token_ids, "drafts only after the request's last token"
+        assert r.spec_token_ids == [], "scheduled drafts are consumed"
         assert len(e.slots) == len(e.token_ids)
         for j, slot in enumerate(e.slots):
             pos = e.start + j
             block = r.seq.block_table[pos // bs]
             if slot == -1:  # a prefix-cache hit inside the chunk: the block already holds this K/V
                 assert pool.enable_prefix_caching and pool.block_hash[block] is not None
-                assert all(sl == -1 for sl in e.slots[j - pos % bs : j]), "a hit covers a whole block"
+                assert pos % bs <= j and all(sl == -1 for sl in e.slots[j - pos % bs : j]), (
+                    "a hit covers a whole block")
                 continue
             assert slot == block * bs + pos % bs, "slot does not match the block table"
             # Never write into a block someone else already held (copy-on-write). Another request
@@ -590,6 +600,133 @@ def test_resumed_request_hits_its_cached_full_blocks():
     assert b.seq.token_ids == b.token_ids[:9]
 
 
+# --- speculative drafts ---------------------------------------------------------------------------
+
+
+def right_drafts(r: Request, n: int) -> list[int]:
+    """The next `n` tokens the fake target would produce: drafts it accepts."""
+    toks = list(r.token_ids)
+    for _ in range(n):
+        toks.append(fake_next(toks))
+    return toks[len(r.token_ids) :]
+
+
+def verify(sched: Scheduler, out: SchedulerOutput) -> None:
+    """What the engine does after a forward with drafts: commit the leading drafts the target agrees
+    with plus one token of its own, then roll the cache back past the last accepted draft."""
+    for e in out.scheduled:
+        if e.samples:
+            r = e.request
+            accepted = 0
+            for d in e.draft_token_ids:
+                if d != fake_token(r):
+                    break
+                r.token_ids.append(d)
+                accepted += 1
+            r.token_ids.append(fake_token(r))
+            sched.rollback(r, len(e.draft_token_ids) - accepted)
+
+
+def decoding(num_blocks=16, bs=4, budget=64, caching=True):
+    pool, s = make(num_blocks, bs, caching=caching, budget=budget)
+    a = req([1, 2, 3], max_new=12, rid="a")
+    s.add(a)
+    step(s)
+    assert a.num_pending_tokens == 1 and a.num_computed_tokens == 3
+    return pool, s, a
+
+
+def test_drafts_ride_along_with_a_decode_and_accepted_ones_stay():
+    pool, s, a = decoding()
+    drafts = right_drafts(a, 3)
+    last = a.token_ids[-1]
+    a.spec_token_ids = list(drafts)
+    out = schedule(s)
+    (e,) = out.scheduled
+    assert (e.start, e.token_ids, e.draft_token_ids, e.samples) == (3, [last] + drafts, drafts, True)
+    assert a.num_computed_tokens == 7 and a.spec_token_ids == []
+    verify(s, out)
+    assert a.token_ids[4:7] == drafts and len(a.token_ids) == 8  # 3 accepted + 1 of the target
+    assert a.num_computed_tokens == 7 and a.seq.token_ids == a.token_ids[:7]
+    assert len(a.seq.block_table) == 2
+
+
+@pytest.mark.parametrize("num_right", [0, 1, 2])
+def test_rejected_drafts_are_rolled_back_and_their_blocks_freed(num_right):
+    pool, s, a = decoding(bs=2)
+    assert len(a.seq.block_table) == 2
+    drafts = right_drafts(a, num_right) + [9] * (4 - num_right)  # 9: never the fake target's token
+    a.spec_token_ids = drafts
+    out = schedule(s)
+    assert a.num_computed_tokens == 8 and len(a.seq.block_table) == 4
+    verify(s, out)
+    assert a.num_computed_tokens == 4 + num_right
+    assert a.seq.token_ids == a.token_ids[: a.num_computed_tokens] and a.num_pending_tokens == 1
+    assert len(a.seq.block_table) == -(-(4 + num_right) // 2)
+    assert pool.num_used_blocks == len(a.seq.block_table)
+    pool.check_invariants()
+    out = step(s)  # the next decode continues right after the accepted prefix
+    assert out.scheduled[0].start == 4 + num_right
+
+
+def test_drafts_are_ignored_and_cleared_for_a_prefill_continuation():
+    pool, s = make(16, 4, budget=4)
+    a = req(range(10), max_new=4, rid="a")
+    s.add(a)
+    step(s)
+    a.spec_token_ids = [1, 2]
+    out = schedule(s)
+    (e,) = out.scheduled
+    assert e.draft_token_ids == [] and e.token_ids == list(range(4, 8)) and not e.samples
+    assert a.spec_token_ids == []
+
+
+def test_preemption_drops_the_victims_drafts():
+    # b is preempted (by a's decode) before the loop reaches it, so its drafts were never consumed.
+    # They followed its last token; re-admission samples a new one, so they must not survive.
+    pool, s = make(4, 2, caching=False, budget=16)
+    a, b = req([1, 2, 3, 4], max_new=3, rid="a"), req([5, 6, 7, 8], max_new=3, rid="b")
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert pool.num_free_blocks == 0
+    b.spec_token_ids = right_drafts(b, 1)
+    out = schedule(s)
+    assert out.preempted == [b] and b.spec_token_ids == []
+    sample(out)
+    s.finish(a)
+    out = step(s)  # b re-admitted: recomputes and samples the token its drafts were meant to follow
+    assert who(out) == ["b"] and out.scheduled[0].draft_token_ids == []
+    out = schedule(s)  # next decode: no stale draft rides along
+    assert out.scheduled[0].draft_token_ids == [] and len(out.scheduled[0].token_ids) == 1
+
+
+def test_drafts_are_cut_to_the_token_budget():
+    pool, s, a = decoding(budget=3)
+    a.spec_token_ids = right_drafts(a, 5)
+    out = schedule(s)
+    (e,) = out.scheduled
+    assert len(e.token_ids) == 3 and e.draft_token_ids == right_drafts(a, 2)
+    assert out.num_tokens == 3
+
+
+def test_drafts_never_preempt_anyone():
+    # bs 1: one block per token. a and b each need one new block for their decode and exactly two
+    # are free: a's drafts would need more, so they are dropped rather than preempting b.
+    pool, s = make(6, 1, caching=False, budget=16)
+    a, b = req([1, 2], max_new=4, rid="a"), req([3, 4], max_new=4, rid="b")
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert pool.num_free_blocks == 2  # exactly one decode token each
+    a.spec_token_ids = right_drafts(a, 3)
+    out = schedule(s)
+    assert out.preempted == [] and who(out) == ["a", "b"]
+    ea = entry_of(out, a)
+    assert ea.draft_token_ids == [] and len(ea.token_ids) == 1 and ea.samples
+    assert a.spec_token_ids == []
+
+
 # --- prefix caching on admission ------------------------------------------------------------------
 
 
@@ -856,7 +993,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live: dict[str, Request] = {}
         self.target: dict[str, int] = {}
         self.next_id = 0
-        self.steps_since_progress = 0
 
     @initialize(
         bs=st.sampled_from([1, 4, 16]),
@@ -864,9 +1000,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         caching=st.sampled_from([True, True, False]),
         max_num_seqs=st.sampled_from([2, 3, 4, 8, 1]),
         budget=st.sampled_from([1, 2, 5, 16, 64]),
+        speculate=st.booleans(),
     )
-    def setup(self, bs, blocks_for_longest, caching, max_num_seqs, budget):
+    def setup(self, bs, blocks_for_longest, caching, max_num_seqs, budget, speculate):
         self.bs = bs
+        self.speculate = speculate
         self.max_total = 24  # any request: prompt + outputs <= 24 tokens
         num_blocks = -(-self.max_total // bs) + blocks_for_longest
         self.pool = BlockPool(num_blocks, enable_prefix_caching=caching)
@@ -891,20 +1029,36 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.target[r.request_id] = data.draw(st.just(max_new) | st.integers(1, max_new), label="outputs")
 
     @precondition(lambda self: self.sched.has_unfinished)
-    @rule()
-    def step(self):
-        self._step()
+    @rule(data=st.data())
+    def step(self, data):
+        self._step(data)
 
     @precondition(lambda self: self.sched.has_unfinished)
-    @rule(n=st.integers(2, 12))
-    def run_steps(self, n):
+    @rule(data=st.data(), n=st.integers(2, 12))
+    def run_steps(self, data, n):
         for _ in range(n):
             if self.sched.has_unfinished:
-                self._step()
+                self._step(data)
                 self.check_all()
 
-    def _step(self):
+    def _propose(self, data) -> dict[str, list[int]]:
+        """Speculation, when enabled: drafts for some decoding requests, a right prefix then junk,
+        never past the request's target (as the engine caps them)."""
+        proposed = {}
+        if not self.speculate:
+            return proposed
+        for r in self.sched.running:
+            room = self.target[r.request_id] - r.num_output_tokens - 1
+            if r.num_pending_tokens == 1 and room > 0:
+                k = data.draw(st.integers(0, min(3, room)), label=f"drafts {r.request_id}")
+                right = data.draw(st.integers(0, k), label=f"right {r.request_id}")
+                r.spec_token_ids = right_drafts(r, right) + [9] * (k - right)
+                proposed[r.request_id] = list(r.spec_token_ids)
+        return proposed
+
+    def _step(self, data):
         sched, pool, bs = self.sched, self.pool, self.bs
+        proposed = self._propose(data)
         before = {rid: (r.status, r.num_computed_tokens, r.num_pending_tokens)
                   for rid, r in self.live.items()}
         running_before = list(sched.running)
@@ -941,25 +1095,39 @@ class SchedulerMachine(RuleBasedStateMachine):
             scheduled = {e.request.request_id for e in out.scheduled}
             for r in sched.running:
                 assert r.request_id in scheduled, "a running request was skipped with budget left"
-        # The engine: apply copies, write K/V of every scheduled token, sample, finish at target.
+        # Drafts: only a prefix of what was proposed, only on a decode, and consumed either way.
+        for e in out.scheduled:
+            assert proposed.get(e.request.request_id, [])[: len(e.draft_token_ids)] == e.draft_token_ids
+        # The engine: apply copies, write K/V of every scheduled token (drafts included), then
+        # commit: accepted drafts plus one sampled token, finish at target, else roll back.
         for src, dst in out.copies:
             self.content[dst] = list(self.content[src])
         for e in out.scheduled:
             r = e.request
             for j, slot in enumerate(e.slots):
                 pos = e.start + j
+                prefix = tuple(r.token_ids[: e.start] + e.token_ids[: j + 1])
                 if slot == -1:  # a prefix hit claims the K/V is already there: check the claim
                     block = r.seq.block_table[pos // bs]
-                    assert self.content[block][pos % bs] == tuple(r.token_ids[: pos + 1])
+                    assert self.content[block][pos % bs] == prefix
                 else:
-                    self.content[slot // bs][slot % bs] = tuple(r.token_ids[: pos + 1])
+                    self.content[slot // bs][slot % bs] = prefix
         for e in out.scheduled:
-            if e.samples:
-                r = e.request
-                r.token_ids.append(fake_token(r))
-                assert len(r.token_ids) <= r.max_total_tokens
-                if r.num_output_tokens >= self.target[r.request_id]:
-                    self._finish(r)
+            if not e.samples:
+                continue
+            r = e.request
+            accepted = 0
+            for d in e.draft_token_ids:
+                if d != fake_token(r):
+                    break
+                r.token_ids.append(d)
+                accepted += 1
+            r.token_ids.append(fake_token(r))
+            assert len(r.token_ids) <= r.max_total_tokens
+            if r.num_output_tokens >= self.target[r.request_id]:
+                self._finish(r)
+            else:
+                sched.rollback(r, len(e.draft_token_ids) - accepted)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from transformers.generation.utils import GenerationMixin
 
 from ..cache import PagedCache
-from ..config import PagedCacheConfig
+from ..config import PagedCacheConfig, check_pool_fits
 from ..hooks import attach
 
 logger = logging.getLogger(__name__)
@@ -127,13 +127,7 @@ def uninstall() -> None:
 
 def _check_fits(cache: PagedCache, generation_config) -> None:
     """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool."""
-    num_blocks = cache.cache_config.num_blocks
-    max_length = generation_config.max_length
-    if num_blocks is not None and max_length is not None and num_blocks * cache.block_size < max_length:
-        raise ValueError(
-            f"num_blocks={num_blocks} with block_size={cache.block_size} holds {num_blocks * cache.block_size} "
-            f"tokens, too few for one sequence of max_length={max_length}"
-        )
+    check_pool_fits(cache.cache_config.num_blocks, cache.block_size, generation_config.max_length)
 
 
 _warned: set[str] = set()
