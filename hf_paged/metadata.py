@@ -95,6 +95,24 @@ class StepMetadata:
         return out.view(self.batch_size, self.q_len, *packed.shape[1:])
 
 
+def _varlen_fields(q_lens: list[int], slots: list[list[int]], block_tables: list[list[int]], seq_lens: list[int],
+                   device: torch.device) -> dict:
+    """The per-sequence tensors every step has, one host-to-device copy each."""
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    return dict(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor([s for row in slots for s in row], dtype=torch.long).to(device),
+        max_seqlen_q=max(q_lens, default=0),
+        max_seqlen_k=max(seq_lens, default=0),
+    )
+
+
 def build_step_metadata(
     *,
     mode: str,
@@ -116,18 +134,11 @@ def build_step_metadata(
     """
     batch_size = len(seq_lens)
     counts = [len(c) for c in real_cols]
-    cu = [0]
-    for c in counts:
-        cu.append(cu[-1] + c)
-    has_padding = cu[-1] != batch_size * q_len
     token_index = None
-    if has_padding:
+    if sum(counts) != batch_size * q_len:  # padding: say where the real tokens sit
         token_index = torch.tensor(
             [row * q_len + col for row, cols in enumerate(real_cols) for col in cols], dtype=torch.long
         ).to(device)
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    width = max(max_blocks, 1)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     num_padding = None
     if mode == DENSE:
         num_padding = torch.tensor([num_columns - n for n in seq_lens], dtype=torch.long).to(device)
@@ -136,15 +147,10 @@ def build_step_metadata(
         batch_size=batch_size,
         q_len=q_len,
         num_columns=num_columns,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.tensor([s for row in slots for s in row], dtype=torch.long).to(device),
         token_index=token_index,
         num_padding=num_padding,
         copies=copies,
-        max_seqlen_q=max(counts, default=0),
-        max_seqlen_k=max(seq_lens, default=0),
+        **_varlen_fields(counts, slots, block_tables, seq_lens, device),
     )
 
 
@@ -164,23 +170,13 @@ def build_packed_metadata(
         slots: per sequence, the slot of each of those tokens (-1: prefix-cache hit, nothing to write).
         block_tables, seq_lens: per sequence, after this step.
     """
-    cu = [0]
-    for n in q_lens:
-        cu.append(cu[-1] + n)
-    width = max(max((len(t) for t in block_tables), default=0), 1)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     return StepMetadata(
         mode=PAGED,
         batch_size=1,
-        q_len=cu[-1],
+        q_len=sum(q_lens),
         num_columns=0,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.tensor([s for row in slots for s in row], dtype=torch.long).to(device),
         token_index=None,
         num_padding=None,
         copies=copies,
-        max_seqlen_q=max(q_lens, default=0),
-        max_seqlen_k=max(seq_lens, default=0),
+        **_varlen_fields(q_lens, slots, block_tables, seq_lens, device),
     )

@@ -15,8 +15,8 @@ A request's state is the vLLM v1 one: `token_ids` (prompt, then outputs) and
 `num_computed_tokens`, the prefix whose K/V are in the cache. Whatever lies beyond it is pending;
 prefill and decode are the same thing with a different pending count.
 
-When the pool cannot give a running request its next block, the newest running request is
-preempted by recompute: its blocks are freed and it goes back to the head of the waiting queue.
+When the pool cannot give a running request its next block, the newest running request not yet
+scheduled in this step is preempted by recompute (possibly the request itself): its blocks are freed and it goes back to the head of the waiting queue.
 Its full blocks keep their hashes in the prefix cache, so on resume most of it is a cache hit
 rather than recomputation.
 """
@@ -200,6 +200,8 @@ class Scheduler:
             drafts = request.spec_token_ids if request.num_pending_tokens == 1 else []
             request.spec_token_ids = []
             num_new = min(request.num_pending_tokens + len(drafts), budget)
+            if num_new == 0:
+                continue  # nothing to compute (the engine always samples or finishes first)
             drafts = drafts[: num_new - 1]
             if drafts and not self.manager.can_append(request.seq, num_new):
                 drafts, num_new = [], 1  # speculation never preempts anyone
@@ -274,6 +276,7 @@ class Scheduler:
         self.running.remove(request)
         self.manager.free(request.seq)
         request.seq.prefix_epoch = None  # it restarts from nothing: hashing may resume
+        request.seq.is_cacheable = True  # its tokens are all known ids (only inputs_embeds are not)
         request.spec_token_ids = []  # proposed after its last token; re-admission samples a new one
         request.num_computed_tokens = 0
         request.num_preemptions += 1
