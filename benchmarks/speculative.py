@@ -83,7 +83,8 @@ def run_engine(model, prompts, batch, new_tokens, **spec):
     engine = Engine(model, max_num_seqs=batch, max_num_batched_tokens=4096, show_progress=False, **spec)
     engine.generate([prompts[0][:8]], SamplingParams(max_new_tokens=2))  # warm-up
     engine.reset_metrics()
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, min_new_tokens=new_tokens)
+    # min_new_tokens = max_new_tokens masks EOS for every token, exactly like stock min_new_tokens.
+    params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
         outputs += [o.token_ids for o in engine.generate(prompts[i:i + batch], params)]
