@@ -8,7 +8,8 @@ runs the rows as independent engine requests (no padding computed or stored, fin
 the batch at once) and returns what stock transformers returns: the left-padded prompts followed by
 the generated tokens, rows that ended early filled with `pad_token_id`, the same width. With
 `return_dict_in_generate=True` it returns a `GenerateDecoderOnlyOutput` with `sequences` (there is no
-per-call cache to return: `cache` is None).
+per-call cache to return: `cache` is None). The engine's metrics of the call (KV peak, prefix hits,
+speculation) are left in `model.hf_paged_last_metrics`.
 
 Anything the engine does not reproduce exactly (beam search, assisted decoding, scores/logits/
 attentions outputs, custom logits processors or stopping criteria, streamers, a cache passed in,
@@ -95,6 +96,7 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
                     **_speculative_kwargs(gc, assistant))
     engine.eos_token_ids = eos_ids
     outputs = engine.generate(rows, params)
+    model.hf_paged_last_metrics = engine.metrics()  # introspection: the last engine-served call
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise errors[0]

@@ -27,10 +27,13 @@ def run_demo(max_new_tokens: int = 48, verify: bool = True) -> bool:
     for prompt, row in zip(CHAT_PROMPTS, out.sequences):
         reply = tokenizer.decode(row[width:], skip_special_tokens=True).strip().replace("\n", " ")
         print(f"\n> {prompt[:70]}{'...' if len(prompt) > 70 else ''}\n  {reply}")
-    stats = out.cache.stats()
-    print(f"\nhf_paged: {len(CHAT_PROMPTS)} prompts, {max_new_tokens} new tokens, {elapsed:.2f}s")
-    print(f"KV: {stats['num_tokens']} real tokens in {stats['num_used_blocks']} blocks of {stats['block_size']} "
-          f"= {stats['kv_bytes'] / 2**20:.2f} MiB (waste {stats['waste_tokens']} slots)")
+    # generate ran the rows through the continuous-batching engine; its metrics stay on the model.
+    stats = model.hf_paged_last_metrics
+    print(f"\nhf_paged: {len(CHAT_PROMPTS)} prompts, {max_new_tokens} new tokens, {elapsed:.2f}s, "
+          f"{stats['num_steps']} forward steps")
+    print(f"KV at its peak: {stats['kv_peak_blocks']} blocks of {stats['kv_block_size']} tokens "
+          f"= {stats['kv_peak_bytes'] / 2**20:.2f} MiB; prefix cache served "
+          f"{stats['vllm:prefix_cache_hits']} of {stats['vllm:prefix_cache_queries']} prompt tokens")
     if not verify:
         return True
     model.set_attn_implementation("sdpa")
@@ -38,6 +41,6 @@ def run_demo(max_new_tokens: int = 48, verify: bool = True) -> bool:
     dense = sum(t.numel() * t.element_size() for layer in ref.cache.layers for t in (layer.keys, layer.values))
     same = torch.equal(ref.sequences, out.sequences)
     print(f"stock DynamicCache for the same batch: {dense / 2**20:.2f} MiB "
-          f"(paged uses {stats['kv_bytes'] / dense:.0%} of it)")
+          f"(paged uses {stats['kv_peak_bytes'] / dense:.0%} of it at its peak)")
     print(f"greedy tokens identical to stock transformers (sdpa + DynamicCache): {same}")
     return same

@@ -326,6 +326,7 @@ class Engine:
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
+        self._metrics.peak_kv_blocks = max(self._metrics.peak_kv_blocks, self.cache.pool.num_used_blocks)
         for request in sched.preempted:
             self._requests[request.request_id].metrics.num_preemptions += 1
             if self.proposer is not None:
@@ -626,9 +627,15 @@ class Engine:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
-        """Engine-wide metrics keyed by vLLM's names (see `hf_paged.metrics.EngineMetrics.as_dict`)."""
+        """Engine-wide metrics keyed by vLLM's names (see `hf_paged.metrics.EngineMetrics.as_dict`),
+        plus the KV pool: `kv_block_size`, `kv_num_blocks`, `kv_bytes_per_block` and the peak in use
+        (`kv_peak_blocks`, `kv_peak_bytes`)."""
         self._update_gauges(None)
-        return self._metrics.as_dict()
+        bytes_per_block = self.cache.bytes_per_block(next(self.model.parameters()).dtype)
+        return {**self._metrics.as_dict(), "kv_block_size": self.cache.block_size,
+                "kv_num_blocks": self.cache.pool.num_blocks, "kv_bytes_per_block": bytes_per_block,
+                "kv_peak_blocks": self._metrics.peak_kv_blocks,
+                "kv_peak_bytes": self._metrics.peak_kv_blocks * bytes_per_block}
 
     def metrics_summary(self) -> str:
         self._update_gauges(None)

@@ -343,6 +343,7 @@ def test_dropin_generate_runs_through_the_engine_and_matches_stock(arch, engine_
         n = len(engine_calls)
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
         assert len(engine_calls) == n + 1
+        assert model.hf_paged_last_metrics["kv_peak_blocks"] > 0
         assert type(out) is type(ref)
         if kwargs.get("return_dict_in_generate"):
             ref, out = ref.sequences, out.sequences

@@ -66,3 +66,10 @@ def test_chunked_prefill(setup):
     iteration_tokens = engine._metrics.iteration_tokens
     assert max(iteration_tokens) <= 64
     assert len(iteration_tokens) > sum(len(p) for p in setup[2]) / 64  # prompts really were chunked
+
+
+def test_demo_matches_stock(capsys):
+    from hf_paged.demo import run_demo
+
+    assert run_demo(max_new_tokens=8)
+    assert "greedy tokens identical to stock transformers (sdpa + DynamicCache): True" in capsys.readouterr().out
