@@ -31,7 +31,7 @@ from .config import PagedCacheConfig
 from .hooks import weights_fingerprint
 from .metrics import EngineMetrics, RequestMetrics
 from .runner import Chunk, ModelRunner
-from .sampling import SamplingParams, SamplingState, make_generator, sample
+from .sampling import SamplingParams, SamplingState, make_generator, needs_processing, sample
 from .scheduler import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from .speculative import (
     DraftModelProposer,
@@ -416,7 +416,7 @@ class Engine:
         accepted tokens plus one, and roll the cache back past the last accepted draft."""
         drafts = entry.draft_token_ids
         state = self._sampling_state(tracked)
-        if state.params.is_greedy and not _plain_greedy_needs_processing(state):
+        if state.params.is_greedy and not needs_processing(state):
             committed = verify_greedy(rows.argmax(dim=-1).tolist(), drafts)
         else:
             dist = target_distributions(rows[:, : self.vocab_size], state, drafts)
@@ -643,11 +643,6 @@ class Engine:
 
     def reset_metrics(self) -> None:
         self._metrics.reset()
-
-
-def _plain_greedy_needs_processing(state: SamplingState) -> bool:
-    p = state.params
-    return p.repetition_penalty != 1.0 or (p.min_new_tokens > state.num_output_tokens and bool(state.end_token_ids))
 
 
 def _fit_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:

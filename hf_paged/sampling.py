@@ -115,6 +115,14 @@ class SamplingState:
     num_output_tokens: int
     end_token_ids: list[int]  # eos (unless ignore_eos) + stop_token_ids, masked before min_new_tokens
 
+    def extended(self, tokens: list[int]) -> "SamplingState":
+        """The state after `tokens` were generated (speculative positions see their drafted history)."""
+        if not tokens:
+            return self
+        return SamplingState(params=self.params, generator=self.generator, token_ids=self.token_ids + list(tokens),
+                             num_output_tokens=self.num_output_tokens + len(tokens),
+                             end_token_ids=self.end_token_ids)
+
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A request's own generator; without a seed, one drawn from torch's global RNG (so
@@ -135,7 +143,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
     """
     logits = logits.float()
     out: list[int | None] = [None] * len(states)
-    plain = [i for i, s in enumerate(states) if s.params.is_greedy and not _needs_processing(s)]
+    plain = [i for i, s in enumerate(states) if s.params.is_greedy and not needs_processing(s)]
     if plain:
         for i, tok in zip(plain, logits[plain].argmax(dim=-1).tolist()):
             out[i] = tok
@@ -145,7 +153,8 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
     return out  # type: ignore[return-value]
 
 
-def _needs_processing(state: SamplingState) -> bool:
+def needs_processing(state: SamplingState) -> bool:
+    """Whether the raw logits' argmax may differ from the processed one (penalty, min_new_tokens)."""
     p = state.params
     return p.repetition_penalty != 1.0 or (state.num_output_tokens < p.min_new_tokens and bool(state.end_token_ids))
 

@@ -95,12 +95,7 @@ def target_distributions(logits: torch.Tensor, state: SamplingState, draft_token
     """[k + 1, vocab] processed target distributions (or, for greedy, one-hot argmax) at the verified
     positions: position j sees the history extended by the first j drafts (repetition penalty,
     min_new_tokens)."""
-    rows = []
-    for j in range(len(draft_tokens) + 1):
-        st = SamplingState(params=state.params, generator=state.generator,
-                           token_ids=state.token_ids + draft_tokens[:j],
-                           num_output_tokens=state.num_output_tokens + j, end_token_ids=state.end_token_ids)
-        rows.append(processed_logits(logits[j], st))
+    rows = [processed_logits(logits[j], state.extended(draft_tokens[:j])) for j in range(len(draft_tokens) + 1)]
     processed = torch.stack(rows)
     if state.params.is_greedy:
         return torch.nn.functional.one_hot(processed.argmax(dim=-1), processed.shape[-1]).float()
@@ -222,11 +217,7 @@ class DraftModelProposer:
             for row, i in enumerate(active):
                 r = requests[i]
                 drafted = proposals[i].token_ids
-                st = SamplingState(params=r.state.params, generator=r.state.generator,
-                                   token_ids=r.token_ids + drafted,
-                                   num_output_tokens=r.state.num_output_tokens + len(drafted),
-                                   end_token_ids=r.state.end_token_ids)
-                processed = processed_logits(logits[row, : self.vocab_size], st)
+                processed = processed_logits(logits[row, : self.vocab_size], r.state.extended(drafted))
                 if r.state.params.is_greedy:
                     drafted.append(int(processed.argmax()))
                 else:

@@ -389,3 +389,18 @@ def test_engine_switches_a_model_to_hf_paged():
     model = tiny_model("llama", "sdpa")
     Engine(model)
     assert model.config._attn_implementation == hf_paged.ATTN_IMPLEMENTATION
+
+
+def test_dropin_sampling_runs_through_the_engine_and_follows_manual_seed(engine_calls):
+    input_ids, attention_mask = left_padded_batch([5, 17, 33], seed=4)
+    model = tiny_model("llama", "hf_paged")
+    kwargs = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=NEW)
+    torch.manual_seed(3)
+    a = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    torch.manual_seed(3)
+    b = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    torch.manual_seed(4)
+    c = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    assert len(engine_calls) == 3
+    assert a.shape == (3, input_ids.shape[1] + NEW) and torch.equal(a[:, : input_ids.shape[1]], input_ids)
+    assert torch.equal(a, b) and not torch.equal(a, c)
