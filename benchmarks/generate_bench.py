@@ -20,8 +20,8 @@ import time
 import torch
 
 import hf_paged  # noqa: F401  (registers "hf_paged")
-from hf_paged.models import load_default
-from hf_paged.prompts import CHAT_PROMPTS, chat_inputs
+from hf_paged.defaults.models import load_default
+from hf_paged.defaults.prompts import CHAT_PROMPTS, chat_inputs
 
 
 def dynamic_cache_bytes(cache) -> int:

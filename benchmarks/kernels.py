@@ -62,7 +62,7 @@ def paged_inputs(batch, ctx, q_len, num_q_heads, num_kv_heads, head_dim, block_s
 
 
 def bench_decode(args, peak):
-    from hf_paged.kernels.triton_decode import paged_decode
+    from hf_paged.attention.triton.decode import paged_decode
 
     hq, hkv, d = args.heads[0], args.heads[1], args.head_dim
     itemsize = torch.empty(0, dtype=args.dtype).element_size()
@@ -96,7 +96,7 @@ def bench_decode(args, peak):
 
 
 def bench_prefill(args):
-    from hf_paged.kernels.triton_prefill import flash_prefill
+    from hf_paged.attention.triton.prefill import flash_prefill
 
     hq, hkv, d = args.heads[0], args.heads[1], args.head_dim
     print(f"\n== prefill (causal, no cached prefix), heads {hq}/{hkv}, head_dim {d}, {args.dtype}")

@@ -14,8 +14,8 @@ import argparse
 import torch
 
 import hf_paged
-from hf_paged.models import load_default
-from hf_paged.prompts import chat_inputs
+from hf_paged.defaults.models import load_default
+from hf_paged.defaults.prompts import chat_inputs
 
 
 def main():

@@ -29,9 +29,9 @@ import transformers
 
 import hf_paged  # noqa: F401  (registers "hf_paged")
 from hf_paged import Engine, SamplingParams
-from hf_paged.models import load_default
-from hf_paged.prompts import CHAT_PROMPTS, PASSAGE
-from hf_paged.speculative import layer_skip_draft
+from hf_paged.defaults.models import load_default
+from hf_paged.defaults.prompts import CHAT_PROMPTS, PASSAGE
+from hf_paged.spec_decode import layer_skip_draft
 
 CODE = '''def moving_average(values, window):
     """Return the moving averages of values over the given window size."""

@@ -42,8 +42,8 @@ import transformers
 from transformers import GenerationConfig
 
 import hf_paged  # noqa: F401  (registers "hf_paged")
-from hf_paged.models import load_default
-from hf_paged.prompts import CHAT_PROMPTS
+from hf_paged.defaults.models import load_default
+from hf_paged.defaults.prompts import CHAT_PROMPTS
 
 METHODS = ("static_bs8", "static_bs32", "generate_batch", "hf_paged")
 TARGET_VS_STATIC = 2.0

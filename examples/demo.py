@@ -11,7 +11,7 @@ The only change from stock transformers is `attn_implementation="hf_paged"`:
 
 import sys
 
-from hf_paged.demo import run_demo
+from hf_paged.defaults.demo import run_demo
 
 if __name__ == "__main__":
     sys.exit(0 if run_demo() else 1)

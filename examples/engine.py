@@ -9,8 +9,8 @@ and prints the engine's metrics.
 import torch
 
 from hf_paged import Engine, SamplingParams
-from hf_paged.models import load_default
-from hf_paged.prompts import CHAT_PROMPTS
+from hf_paged.defaults.models import load_default
+from hf_paged.defaults.prompts import CHAT_PROMPTS
 
 
 def main():

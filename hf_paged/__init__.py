@@ -6,17 +6,21 @@ Importing the package registers the "hf_paged" attention implementation, so
     model.generate(**inputs)          # uses a PagedCache automatically
 
 is all a user changes.
+
+Sub-packages, in dependency order (each imports only those before it; `config` is a leaf they all
+may use; `planner` and `defaults` stand apart):
+
+    core -> attention -> hf -> worker -> spec_decode -> engine -> integrations
 """
 
 from .attention import ATTN_IMPLEMENTATION, paged_attention_forward
 from .attention import register as _register_attention
-from .block_pool import NoFreeBlocksError
-from .cache import PagedCache
 from .config import PagedCacheConfig
+from .core import NoFreeBlocksError
 from .engine import Engine, RequestOutput, StreamEvent
-from .hooks import attach, detach
-from .sampling import SamplingParams
-from .speculative import layer_skip_draft
+from .hf import PagedCache, attach, detach
+from .spec_decode import layer_skip_draft
+from .worker import SamplingParams
 
 __version__ = "0.1.0"
 
@@ -24,10 +28,10 @@ __version__ = "0.1.0"
 def register() -> None:
     """Register the "hf_paged" attention and mask functions and install the generate patch.
     Idempotent; runs on import."""
-    from . import patches
+    from . import integrations
 
     _register_attention()
-    patches.install()
+    integrations.install()
 
 
 register()

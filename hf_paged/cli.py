@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import sizing_cli
+from .config import DEFAULT_BLOCK_SIZE
+from .planner import cli as planner_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,21 +18,21 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="answer one chat prompt with the default model")
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     sub.add_parser("info", help="versions and the supported transformers range")
-    sizing_cli.add_subcommands(sub)
+    planner_cli.add_subcommands(sub)
     args = parser.parse_args(argv)
     if hasattr(args, "sizing_handler"):
-        return sizing_cli.run(args)
+        return planner_cli.run(args)
 
     if args.command == "demo":
-        from .demo import run_demo
+        from .defaults.demo import run_demo
 
         return 0 if run_demo(args.max_new_tokens, verify=not args.no_verify) else 1
     if args.command == "generate":
         from .config import PagedCacheConfig
-        from .models import load_default
-        from .prompts import chat_inputs
+        from .defaults.models import load_default
+        from .defaults.prompts import chat_inputs
 
         model, tokenizer = load_default(attn_implementation="hf_paged")
         model.hf_paged_cache_config = PagedCacheConfig(block_size=args.block_size)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         from . import __version__
-        from .patches import SUPPORTED_TRANSFORMERS, is_installed
+        from .integrations import SUPPORTED_TRANSFORMERS, is_installed
 
         low, high = SUPPORTED_TRANSFORMERS
         print(f"hf_paged {__version__}; transformers {transformers.__version__} (supported [{low}, {high})); "

@@ -1,8 +1,21 @@
-"""User-facing knobs, validated once with errors that name the bad value."""
+"""User-facing knobs and the limits several layers must agree on, each defined once here.
+
+This module is a leaf: it imports nothing from hf_paged (and no torch), so every sub-package, the
+torch-free `core` included, can import it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Tokens per KV block unless configured otherwise (the cache, the engine, the draft pool, the CLIs).
+DEFAULT_BLOCK_SIZE = 16
+# Up to this many queries per sequence (decode, or a speculative verify step of k + 1 tokens) the
+# attention takes its decode path: the Triton split-KV decode kernel, or the torch path's bucketed
+# padded calls. Longer query runs (prefill chunks) take the prefill path.
+MAX_DECODE_QUERY_LEN = 16
+# k drafts are verified at k + 1 positions, which must stay on the decode path.
+MAX_SPECULATIVE_TOKENS = MAX_DECODE_QUERY_LEN - 1
 
 # "auto" stores K/V in the model's dtype; the others force a storage dtype.
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -27,7 +40,7 @@ class PagedCacheConfig:
             adapters, tenants) never do.
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     max_kv_bytes: int | None = None
     kv_cache_dtype: str = "auto"

@@ -1,0 +1,72 @@
+"""One dispatch for the attention kernels: Triton on GPU, the torch backend elsewhere.
+
+Owns the choice of backend and nothing else: callers (the `interface` attention function, the cache
+adapter) call `store_kv` / `paged_attention` here and never import a backend directly. `backend()` picks the implementation for a device: Triton on CUDA tensors, torch elsewhere. Set
+`HF_PAGED_BACKEND=torch` or `=triton` to force one; the tests force Triton on CPU tensors under
+Triton's interpreter (`TRITON_INTERPRET=1`).
+
+The Triton modules are imported on first use only, so importing hf_paged never needs a GPU or
+compiles anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..config import MAX_DECODE_QUERY_LEN
+from . import torch_paged
+
+_BACKENDS = ("auto", "torch", "triton")
+
+
+def backend(device: torch.device) -> str:
+    """The kernel family ("torch" or "triton") for tensors on `device`."""
+    choice = os.environ.get("HF_PAGED_BACKEND", "auto").lower()
+    if choice not in _BACKENDS:
+        raise ValueError(f"HF_PAGED_BACKEND must be one of {_BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _has_triton() else "torch"
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "HF_PAGED_BACKEND=triton on a non-CUDA device needs Triton's interpreter: set TRITON_INTERPRET=1 "
+            "before hf_paged's kernels are first used"
+        )
+    return choice
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`."""
+    if backend(key.device) == "triton":
+        from .triton.store_kv import store_kv as triton_store_kv
+
+        return triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
+    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
+                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None):
+    """Varlen causal attention over paged K/V. See `torch_paged.paged_attention` for the contract;
+    `plan` is the torch path's per-step `torch_paged.AttentionPlan` (ignored by Triton). Up to
+    `MAX_DECODE_QUERY_LEN` queries per sequence the split-KV decode kernel runs, above it the tiled
+    prefill kernel."""
+    if backend(query.device) == "triton":
+        if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
+            from .triton.decode import paged_decode as kernel
+        else:
+            from .triton.prefill import flash_prefill as kernel
+        return kernel(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
+                      max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    return torch_paged.paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
+    )

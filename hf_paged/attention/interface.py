@@ -1,0 +1,148 @@
+"""The "hf_paged" attention function and its mask function, registered in transformers' public
+registries (`AttentionInterface`, `AttentionMaskInterface`).
+
+This module is the only place transformers' attention calls enter hf_paged. It unpacks the padded
+batch through the step's `StepMetadata` and calls `dispatch`; it never allocates blocks or plans a
+step (the cache adapter in `hf/` does that).
+
+Two paths, chosen per call:
+
+* **Paged** (a `PagedCache` step planned by `hf_paged.attach`'s hook): `key`/`value` are the layer's
+  blocks, the step's `StepMetadata` arrives as the `paged_metadata` kwarg, and attention runs over
+  packed real tokens straight from the blocks (`attention.dispatch`).
+* **Dense** (no cache, `DynamicCache`, training): exactly transformers' own sdpa, or the model's own
+  eager function where sdpa lacks a feature (softcap, sinks, attention weights), so outputs and
+  gradients match stock bit for bit. The mask for this path is built lazily: the paged path never
+  pays for a dense `[batch, 1, q, kv]` mask.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from . import dispatch
+from .metadata import PAGED, StepMetadata
+
+ATTN_IMPLEMENTATION = "hf_paged"
+
+
+class LazyMask:
+    """The arguments transformers passed to the mask interface; the dense mask is built on demand
+    (once per kind, shared by every layer that receives this object) and never on the paged path."""
+
+    def __init__(self, kwargs: dict):
+        self._kwargs = kwargs
+        self._built: dict[str, torch.Tensor | None] = {}
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """False when the model overlaid its own mask function (transformers then asks for vmap
+        expansion), e.g. bidirectional attention among image tokens; the paged path cannot honour it."""
+        return not self._kwargs.get("use_vmap", False)
+
+    def build(self, kind: str) -> torch.Tensor | None:
+        """The mask transformers' `sdpa` ("sdpa") or `eager` ("eager") implementation would get."""
+        if kind not in self._built:
+            fn = sdpa_mask if kind == "sdpa" else eager_mask
+            self._built[kind] = fn(**self._kwargs)
+        return self._built[kind]
+
+
+def paged_mask(**kwargs) -> LazyMask:
+    """Mask function registered under "hf_paged": defer, since the paged path needs no mask."""
+    return LazyMask(kwargs)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [batch, num_q_heads, q_len, head_dim]
+    key: torch.Tensor,  # paged: [num_blocks, block_size, num_kv_heads, head_dim]; dense: [batch, kv_heads, kv_len, dim]
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    paged_metadata: StepMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([batch, q_len, num_q_heads, head_dim], weights)
+    """The function registered as "hf_paged" in `AttentionInterface`. See the module docstring."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    if paged_metadata is not None and paged_metadata.mode == PAGED:
+        if dropout:
+            raise ValueError(
+                "hf_paged's paged attention does not apply attention dropout; call model.eval() before generating"
+            )
+        if isinstance(attention_mask, LazyMask) and not attention_mask.is_plain_causal:
+            raise ValueError(
+                "hf_paged's paged attention supports causal and sliding-window masks only, but this model "
+                "overlays its own mask function (e.g. bidirectional image tokens); use attn_implementation='sdpa'"
+            )
+        if kwargs.get("output_attentions"):
+            raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")
+        meta = paged_metadata
+        out = dispatch.paged_attention(
+            meta.pack(query),
+            key,
+            value,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=s_aux,
+            plan=meta.attention_plan(key.shape[1]) if dispatch.backend(query.device) == "torch" else None,
+        )
+        return meta.unpack(out), None
+    return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                            s_aux, **kwargs)
+
+
+def _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux,
+                     **kwargs):
+    needs_eager = softcap is not None or s_aux is not None or kwargs.get("output_attentions", False)
+    if needs_eager:
+        mask = attention_mask.build("eager") if isinstance(attention_mask, LazyMask) else attention_mask
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", _eager_attention)
+        extra = {"softcap": softcap} if softcap is not None else {}
+        if s_aux is not None:
+            extra["s_aux"] = s_aux
+        return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
+                     sliding_window=sliding_window, **extra, **kwargs)
+    mask = attention_mask.build("sdpa") if isinstance(attention_mask, LazyMask) else attention_mask
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                     s_aux=None, **kwargs):
+    """Fallback eager attention for modules whose modeling file has none (additive float mask)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    if s_aux is not None:
+        sinks = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1).float(), dim=-1)[..., :-1].to(query.dtype)
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous(), probs
+
+
+def register() -> None:
+    """Register "hf_paged" with transformers' attention and mask registries. Idempotent."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_mask)

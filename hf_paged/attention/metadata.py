@@ -1,0 +1,183 @@
+"""One `StepMetadata` per forward step: everything the attention layers need, built once.
+
+transformers hands attention a padded batch `[batch, heads, q_len, head_dim]`; the kernels work on
+packed, variable-length tokens. The metadata carries both views: the packed varlen description
+(`cu_seqlens_q`, `seq_lens`, `block_tables`, `slot_mapping`) and `token_index`, which says where each
+real (non-padding) token sits in the padded batch. Built on the host from plain lists (the block
+manager's answers); it decides nothing about which block holds what.
+
+    padded batch (q_len=4)         packed real tokens           token_index
+    row 0: [pad pad  a0  a1]  -->  [a0 a1 | b0 b1 b2 b3 | c0]   [2 3 | 4 5 6 7 | 11]
+    row 1: [ b0  b1  b2  b3]       cu_seqlens_q = [0, 2, 6, 7]
+    row 2: [pad pad pad  c0]
+
+The engine's steps are already packed: transformers sees one row `[1, num_tokens]` holding every
+scheduled sequence back to back (`build_packed_metadata`), so `batch_size` is 1 while
+`cu_seqlens_q`, `seq_lens` and `block_tables` describe the sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .torch_paged import AttentionPlan
+
+PAGED = "paged"  # attention reads K/V straight from the blocks (the "hf_paged" attention)
+DENSE = "dense"  # update() returns gathered [batch, kv_heads, kv_len, head_dim] K/V (sdpa/eager)
+
+
+@dataclass
+class StepMetadata:
+    """The per-step plan shared by every layer of one forward.
+
+    Attributes:
+        mode: PAGED or DENSE (see module constants).
+        batch_size: rows of the padded batch (1 for a packed engine step).
+        q_len: columns of the padded batch in this step.
+        Per-sequence fields have one row per sequence: a padded batch row, or a packed sequence.
+        num_columns: columns (padding included) the cache covers after this step; what transformers
+            sees as the cache length.
+        cu_seqlens_q: [batch_size + 1] int32, prefix sums of real new tokens per row.
+        seq_lens: [batch_size] int32, tokens stored per row after this step.
+        block_tables: [batch_size, max_blocks] int32, padded with 0 past each row's blocks.
+        slot_mapping: [num_tokens] int64, slot per packed real token; -1 where the block came from
+            the prefix cache and already holds it.
+        token_index: [num_tokens] int64 index into the flattened padded batch (`row * q_len + col`),
+            or None when the step has no padding (packed == padded).
+        num_padding: [batch_size] int64, leading padding columns per row after this step (DENSE only).
+        copies: (src_block, dst_block) copy-on-write pairs the cache applies before writing.
+        max_seqlen_q, max_seqlen_k: maxima of the per-row query and KV lengths.
+    """
+
+    mode: str
+    batch_size: int
+    q_len: int
+    num_columns: int
+    cu_seqlens_q: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_index: torch.Tensor | None
+    num_padding: torch.Tensor | None
+    copies: list[tuple[int, int]]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    layers_done: set[int] = field(default_factory=set)
+    dense_index: tuple[torch.Tensor, torch.Tensor] | None = None  # DENSE: (slots, valid), [batch, num_columns]
+    workspace: object = None  # the cache's `torch_paged.Workspace`, for the torch path's gathers
+    _plans: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    def attention_plan(self, block_size: int):
+        """The torch path's per-step indices and masks (`torch_paged.AttentionPlan`), built on
+        first use and shared by every layer of this step."""
+        if block_size not in self._plans:
+            self._plans[block_size] = AttentionPlan(self.block_tables, self.seq_lens, self.cu_seqlens_q,
+                                                    self.max_seqlen_q, self.max_seqlen_k, block_size,
+                                                    workspace=self.workspace)
+        return self._plans[block_size]
+
+    def pack(self, states: torch.Tensor) -> torch.Tensor:
+        """[batch, heads, q_len, dim] (transformers' layout) -> [num_tokens, heads, dim] real tokens."""
+        flat = states.transpose(1, 2).reshape(self.batch_size * self.q_len, states.shape[1], states.shape[3])
+        return flat if self.token_index is None else flat[self.token_index]
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """[num_tokens, heads, dim] -> [batch, q_len, heads, dim]; padding rows are zero."""
+        if self.token_index is None:
+            return packed.view(self.batch_size, self.q_len, *packed.shape[1:])
+        out = packed.new_zeros(self.batch_size * self.q_len, *packed.shape[1:])
+        out[self.token_index] = packed
+        return out.view(self.batch_size, self.q_len, *packed.shape[1:])
+
+
+def _varlen_fields(q_lens: list[int], slots: list[list[int]], block_tables: list[list[int]], seq_lens: list[int],
+                   device: torch.device) -> dict:
+    """The per-sequence tensors every step has, one host-to-device copy each."""
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    return dict(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        block_tables=tables.to(device),
+        slot_mapping=torch.tensor([s for row in slots for s in row], dtype=torch.long).to(device),
+        max_seqlen_q=max(q_lens, default=0),
+        max_seqlen_k=max(seq_lens, default=0),
+    )
+
+
+def build_step_metadata(
+    *,
+    mode: str,
+    q_len: int,
+    num_columns: int,
+    real_cols: list[range],
+    slots: list[list[int]],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    copies: list[tuple[int, int]],
+    device: torch.device,
+) -> StepMetadata:
+    """Turn the block manager's per-row answers into device tensors (one host-to-device copy each).
+
+    Args:
+        real_cols: per row, the columns of this step holding real tokens (a suffix: left padding).
+        slots: per row, the slot of each real token in `real_cols` order.
+        block_tables, seq_lens: per row, after this step.
+    """
+    batch_size = len(seq_lens)
+    counts = [len(c) for c in real_cols]
+    token_index = None
+    if sum(counts) != batch_size * q_len:  # padding: say where the real tokens sit
+        token_index = torch.tensor(
+            [row * q_len + col for row, cols in enumerate(real_cols) for col in cols], dtype=torch.long
+        ).to(device)
+    num_padding = None
+    if mode == DENSE:
+        num_padding = torch.tensor([num_columns - n for n in seq_lens], dtype=torch.long).to(device)
+    return StepMetadata(
+        mode=mode,
+        batch_size=batch_size,
+        q_len=q_len,
+        num_columns=num_columns,
+        token_index=token_index,
+        num_padding=num_padding,
+        copies=copies,
+        **_varlen_fields(counts, slots, block_tables, seq_lens, device),
+    )
+
+
+def build_packed_metadata(
+    *,
+    q_lens: list[int],
+    slots: list[list[int]],
+    block_tables: list[list[int]],
+    seq_lens: list[int],
+    copies: list[tuple[int, int]],
+    device: torch.device,
+) -> StepMetadata:
+    """Metadata for one engine step: sequences packed back to back in a single `[1, num_tokens]` row.
+
+    Args:
+        q_lens: per sequence, the tokens it feeds this step (its chunk).
+        slots: per sequence, the slot of each of those tokens (-1: prefix-cache hit, nothing to write).
+        block_tables, seq_lens: per sequence, after this step.
+    """
+    return StepMetadata(
+        mode=PAGED,
+        batch_size=1,
+        q_len=sum(q_lens),
+        num_columns=0,
+        token_index=None,
+        num_padding=None,
+        copies=copies,
+        **_varlen_fields(q_lens, slots, block_tables, seq_lens, device),
+    )

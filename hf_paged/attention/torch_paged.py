@@ -1,0 +1,308 @@
+"""The torch backend of paged attention: the CPU path, fast enough to serve.
+
+Owns the torch implementations of the kernel contracts (`store_kv`, `paged_attention`), the
+per-step `AttentionPlan` that every layer shares, the reusable gather `Workspace`, and the dense
+gather for non-paged attention implementations (`gather_dense`). It is vectorised over sequences
+and tokens and reads K/V through the block table exactly as the Triton kernels do. It is *not* the
+test oracle: that is `reference.py`, deliberately naive, which this module must never call. It
+knows nothing of requests, caches or transformers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MAX_DECODE_QUERY_LEN
+
+
+def store_kv(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
+) -> None:
+    """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1."""
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def slots_of(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    positions: torch.Tensor,  # [n] shared by every sequence, or [num_seqs, n]
+    block_size: int,
+) -> torch.Tensor:  # [num_seqs, n] int64
+    """Physical slot (`block_id * block_size + offset`) of each token position, via the block table."""
+    if positions.dim() == 1:
+        positions = positions.expand(block_tables.shape[0], -1)
+    blocks = block_tables.long().gather(1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
+def gather_dense(
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    step,  # the forward's `StepMetadata` (DENSE mode)
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [batch, num_kv_heads, num_columns, head_dim]
+    """K/V in transformers' padded column order for sdpa/eager, zeros at padding columns. The
+    gather index is built once per step (on `step.dense_index`) and shared by every layer."""
+    device = key_cache.device
+    if step.dense_index is None or step.dense_index[0].device != device:
+        columns = torch.arange(step.num_columns, device=device)
+        tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
+        valid = tok >= 0
+        step.dense_index = (slots_of(step.block_tables.to(device), tok.clamp(min=0), key_cache.shape[1]), valid)
+    slots, valid = step.dense_index
+    out = []
+    for cache in (key_cache, value_cache):
+        gathered = cache.flatten(0, 1)[slots].to(dtype)  # [batch, num_columns, heads, dim]
+        gathered = gathered.masked_fill(~valid[:, :, None, None], 0)
+        out.append(gathered.transpose(1, 2).contiguous())
+    return out[0], out[1]
+
+
+# Sequences with at most MAX_DECODE_QUERY_LEN queries are batched into padded attention calls (bucketed by
+# length); longer ones (prefill chunks) each get their own call, so a mixed engine step never pads a
+# 1-token decode out to a 600-token prompt chunk.
+# A bucket of short-query sequences is closed when the next one is this much shorter than its
+# longest: padded K/V work stays within about this factor of the real work.
+_BUCKET_RATIO = 1.5
+
+
+class Workspace:
+    """Reusable scratch buffers for the gathered K/V of the torch path.
+
+    A fresh multi-megabyte CPU tensor is served by mmap and page-faults on first touch, which costs
+    several times the gather itself; every layer of every step would pay it. One buffer per name is
+    kept and regrown (by 25%) only when a step needs more."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = 1
+        for n in shape:
+            numel *= n
+        key = (name, dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(int(numel * 1.25) + 1, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf[:numel].view(shape)
+
+
+class _Group:
+    """Sequences attended in one padded call: their indices, where their tokens sit in the packed
+    query, and the block/position tensors of the padded `[num_seqs, Qmax, Kmax]` problem, where
+    `Kmax` is whole blocks (K/V are gathered a block at a time)."""
+
+    def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
+                 block_tables: torch.Tensor, block_size: int):
+        device = block_tables.device
+        self.num_seqs = len(seqs)
+        self.max_seqlen_q = max(q_lens[i] for i in seqs)
+        max_seqlen_k = max(seq_lens[i] for i in seqs)
+        num_blocks = -(-max_seqlen_k // block_size)
+        self.max_seqlen_k = num_blocks * block_size
+        g_q_lens = torch.tensor([q_lens[i] for i in seqs], device=device)
+        g_seq_lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
+        # A single sequence's tokens are one contiguous slice of the packed query: no scatter needed.
+        self.token_slice = slice(cu[seqs[0]], cu[seqs[0]] + q_lens[seqs[0]]) if len(seqs) == 1 else None
+        self.token_index = torch.tensor([t for i in seqs for t in range(cu[i], cu[i] + q_lens[i])], device=device)
+        self.is_single_query = all(q_lens[i] == 1 for i in seqs)  # packed query is already [Sg, 1, ...]
+        self.seq_ids = torch.repeat_interleave(torch.arange(len(seqs), device=device), g_q_lens)  # [Tg]
+        starts = torch.tensor([cu[i] for i in seqs], device=device)
+        self.q_idx = self.token_index - starts[self.seq_ids]  # [Tg]
+        rows = torch.tensor(seqs, device=device)
+        self.blocks = block_tables[rows, :num_blocks].long().flatten()  # [Sg * num_blocks]
+        # Gathered rows past each sequence's length (its last block's tail, table padding): zeroed
+        # after the gather, since a stale NaN/inf there would turn a masked 0 weight into NaN.
+        past_end = torch.arange(self.max_seqlen_k, device=device)[None, :] >= g_seq_lens[:, None]  # [Sg, Kmax]
+        self.invalid_rows = past_end.flatten().nonzero().flatten()
+        self.q_pos = (g_seq_lens - g_q_lens)[:, None] + torch.arange(self.max_seqlen_q, device=device)  # [Sg, Qmax]
+        self.k_pos = torch.arange(self.max_seqlen_k, device=device)
+        self.is_pad_row = torch.arange(self.max_seqlen_q, device=device)[None, :] >= g_q_lens[:, None]  # [Sg, Qmax]
+        # Every row has exactly Kmax keys and single-token queries: no mask at all is needed.
+        self.is_uniform_decode = self.max_seqlen_q == 1 and all(seq_lens[i] == self.max_seqlen_k for i in seqs)
+        # One sequence whose queries are all its keys: plain causal attention, no mask tensor.
+        self.is_plain_causal = len(seqs) == 1 and q_lens[seqs[0]] == seq_lens[seqs[0]]
+        self.num_kv = seq_lens[seqs[0]] if self.is_plain_causal else self.max_seqlen_k  # keys it really has
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:  # [Sg, Qmax, Kmax] bool, True = attend
+        if sliding_window not in self._masks:
+            k_pos, q_pos = self.k_pos[None, None, :], self.q_pos[:, :, None]
+            allowed = k_pos <= q_pos
+            if sliding_window is not None:
+                allowed &= k_pos > q_pos - sliding_window
+            # Query rows past a sequence's q_len are padding: let them see key 0 so no row is all -inf.
+            allowed[..., 0] |= self.is_pad_row
+            self._masks[sliding_window] = allowed
+        return self._masks[sliding_window]
+
+    def gather(self, cache: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None,
+               length: int | None = None) -> torch.Tensor:
+        """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V, gathered block by block."""
+        num_kv_heads, head_dim = cache.shape[2:]
+        if buffer is None:
+            blocks = cache.index_select(0, self.blocks)
+        else:
+            blocks = torch.index_select(cache, 0, self.blocks, out=buffer)
+        if length is None and self.invalid_rows.numel():
+            blocks.view(-1, num_kv_heads, head_dim).index_fill_(0, self.invalid_rows, 0)
+        out = blocks.view(self.num_seqs, self.max_seqlen_k, num_kv_heads, head_dim)[:, :length]
+        return out.to(dtype).transpose(1, 2)
+
+
+def _buckets(short: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split short-query sequences into groups of similar KV length (longest first)."""
+    groups: list[list[int]] = []
+    for i in sorted(short, key=lambda i: -seq_lens[i]):
+        if groups and seq_lens[i] * _BUCKET_RATIO >= seq_lens[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+class AttentionPlan:
+    """Index and mask tensors that depend only on the step's metadata, not on the layer: built once
+    per forward and shared by every layer (the masks are memoised per sliding window).
+
+    Sequences are split into groups: those with short queries (decode, speculative verify) are
+    bucketed by KV length into a few padded calls, and each longer query (a prefill chunk) gets its
+    own call."""
+
+    def __init__(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        block_size: int,
+        workspace: Workspace | None = None,
+    ):
+        cu = cu_seqlens_q.tolist()  # one host sync per step, shared by every layer
+        lens = seq_lens.tolist()
+        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+        self.num_tokens = cu[-1] if lens else 0
+        self.workspace = workspace
+        short = [i for i, n in enumerate(q_lens) if 0 < n <= MAX_DECODE_QUERY_LEN and lens[i] > 0]
+        long = [[i] for i, n in enumerate(q_lens) if n > MAX_DECODE_QUERY_LEN]
+        self.groups = [_Group(g, q_lens, lens, cu, block_tables, block_size) for g in _buckets(short, lens) + long]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Causal attention of each sequence's new queries over its cached prefix plus themselves.
+
+    Query `i` of sequence `b` sits at position `seq_lens[b] - q_len[b] + i`. It sees key positions
+    `p <= pos` and, with a sliding window `w`, only `p > pos - w` (the transformers convention).
+    Softcapping (`softcap * tanh(s / softcap)`) is applied to the scaled scores before masking, and
+    a sink adds one extra logit per head to the softmax denominator that attends to nothing.
+    `plan` (from `AttentionPlan` on the same metadata) skips rebuilding the per-step indices.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group_size = num_q_heads // num_kv_heads
+    out = query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
+    if num_tokens == 0 or max_seqlen_k == 0:
+        return out
+    if plan is None:
+        plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
+    # Scratch buffers are reused by the next layer: only where autograd will not keep the K/V.
+    needs_grad = torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
+                                              or value_cache.requires_grad)
+    workspace = None if needs_grad else plan.workspace
+    for group in plan.groups:
+        buffers = [None, None]
+        if workspace is not None:
+            shape = (len(group.blocks), *key_cache.shape[1:])
+            buffers = [workspace.get(name, shape, key_cache.dtype, key_cache.device) for name in ("k", "v")]
+        is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
+        length = group.num_kv if is_causal_sdpa else None
+        k = group.gather(key_cache, query.dtype, buffers[0], length)  # [Sg, Hkv, Kmax (or q_len), D]
+        v = group.gather(value_cache, query.dtype, buffers[1], length)
+        if group.token_slice is not None:
+            q = query[group.token_slice][None]  # [1, q_len, Hq, D]
+        elif group.is_single_query:
+            q = query[group.token_index][:, None]  # [Sg, 1, Hq, D]
+        else:
+            q = query.new_zeros(group.num_seqs, group.max_seqlen_q, num_q_heads, head_dim)
+            q[group.seq_ids, group.q_idx] = query[group.token_index]
+        if softcap is not None or sinks is not None:
+            o = _attention_math(q.transpose(1, 2), k, v, group.mask(sliding_window), scale, softcap, sinks)
+            o = o.transpose(1, 2)  # [Sg, Qmax, Hq, D]
+        elif is_causal_sdpa:
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=group.max_seqlen_q > 1, scale=scale,
+                                               enable_gqa=group_size > 1).transpose(1, 2)
+        else:
+            o = _grouped_query_attention(q, k, v, None if group.is_uniform_decode and sliding_window is None
+                                         else group.mask(sliding_window), scale)
+        if group.token_slice is not None:
+            out[group.token_slice] = o[0]
+        elif group.is_single_query:
+            out[group.token_index] = o[:, 0]
+        else:
+            out[group.token_index] = o[group.seq_ids, group.q_idx]
+    return out
+
+
+def _grouped_query_attention(
+    q: torch.Tensor,  # [S, Qmax, Hq, D]
+    k: torch.Tensor,  # [S, Hkv, K, D]
+    v: torch.Tensor,  # [S, Hkv, K, D]
+    allowed: torch.Tensor | None,  # [S, Qmax, K] bool, True = attend; None = attend to all
+    scale: float,
+) -> torch.Tensor:  # [S, Qmax, Hq, D]
+    """Attention with the query heads of each KV head folded into the query rows, so K/V are never
+    repeated per query head: [S, Hkv, group * Qmax, D] queries against [S, Hkv, K, D] keys."""
+    num_seqs, max_q, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    folded = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    folded = folded.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    mask = None if allowed is None else allowed.repeat(1, group, 1)[:, None]  # row g*Qmax+i -> query i
+    o = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    o = o.view(num_seqs, num_kv_heads, group, max_q, -1).permute(0, 3, 1, 2, 4)
+    return o.reshape(num_seqs, max_q, num_q_heads, -1)
+
+
+def _attention_math(q, k, v, allowed, scale, softcap, sinks):
+    """Explicit softmax attention in fp32, for the features SDPA lacks (softcap, sinks)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink], dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)

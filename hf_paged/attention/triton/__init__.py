@@ -1,0 +1,8 @@
+"""Triton kernels of the paged attention: `store_kv`, the split-KV `decode` and the varlen flash
+`prefill`, with the launchers' shared input `checks`.
+
+Each file reads top-down: small `@triton.jit` helpers, the kernel with a shape comment on every
+tensor argument, then one Python launcher that validates inputs and picks the grid. The kernels
+know tensors and block tables only, never sequences, requests or transformers. Modules are imported
+on first use by `attention.dispatch`, so importing hf_paged never compiles anything.
+"""

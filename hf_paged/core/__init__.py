@@ -1,0 +1,26 @@
+"""Torch-free bookkeeping: which physical block holds which token, and which request runs next.
+
+Owns the block pool (free list, reference counts, the prefix-cache hash chain, copy-on-write), the
+per-sequence block tables and the iteration-level scheduler. Everything here is plain Python over
+integer ids: it never imports torch or transformers, never touches a tensor and never computes a
+kernel address beyond a slot number (`block_id * block_size + offset`). `tests/core` checks that it
+imports with torch unavailable.
+"""
+
+from .block_pool import AppendResult, BlockManager, BlockPool, NoFreeBlocksError, hash_block_tokens
+from .scheduler import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
+from .sequence import KVSequence
+
+__all__ = [
+    "AppendResult",
+    "BlockManager",
+    "BlockPool",
+    "KVSequence",
+    "NoFreeBlocksError",
+    "Request",
+    "RequestStatus",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerOutput",
+    "hash_block_tokens",
+]

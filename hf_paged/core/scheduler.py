@@ -1,0 +1,290 @@
+"""Iteration-level scheduler: which tokens of which requests go into the next forward. Torch-free.
+
+Every step packs, up to a token budget (`max_num_batched_tokens`) and a sequence cap
+(`max_num_seqs`):
+
+1. one token for every running request that is decoding (decodes first: they are latency-bound
+   and cost one token each);
+2. the next chunk of every running request still in prefill (chunked prefill: a long prompt is
+   spread over several steps instead of stalling everyone's decode);
+3. new requests from the waiting queue, strictly in arrival order, while their first chunk fits the
+   budget and the pool (FIFO admission: a large request at the head is never starved by smaller
+   ones behind it).
+
+A request's state is the vLLM v1 one: `token_ids` (prompt, then outputs) and
+`num_computed_tokens`, the prefix whose K/V are in the cache. Whatever lies beyond it is pending;
+prefill and decode are the same thing with a different pending count.
+
+When the pool cannot give a running request its next block, the newest running request not yet
+scheduled in this step is preempted by recompute (possibly the request itself): its blocks are freed and it goes back to the head of the waiting queue.
+Its full blocks keep their hashes in the prefix cache, so on resume most of it is a cache hit
+rather than recomputation.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .block_pool import BlockManager
+from .sequence import KVSequence
+
+
+class RequestStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """The scheduler's view of one request.
+
+    Attributes:
+        request_id: unique among live requests.
+        token_ids: prompt followed by the outputs sampled so far.
+        num_prompt_tokens: length of the prompt prefix of `token_ids`.
+        max_total_tokens: the request never grows past this many tokens (prompt + outputs); the
+            scheduler checks at admission that the pool could ever hold it.
+        seq: the block manager's record (the tokens whose K/V are stored and where).
+        num_computed_tokens: leading `token_ids` whose K/V are in the cache (or scheduled into the
+            current step).
+        arrival: admission order key; lower is older. Preemption picks the newest.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_total_tokens: int
+    seq: KVSequence
+    arrival: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
+    # Speculative tokens proposed for the next step (set by the engine, consumed by `schedule`).
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request.
+        start: position of the first scheduled token (== tokens already in the cache before it).
+        token_ids: the tokens fed to the model this step, positions `start .. start+len-1`.
+        slots: one KV slot per token, -1 where the block is a prefix-cache hit (nothing to write).
+        samples: True when this chunk reaches the end of `token_ids`, so its last logits yield the
+            request's next token; False for a prompt chunk that stops short of it.
+        draft_token_ids: speculative tokens appended after the request's last token (the tail of
+            `token_ids` here); the engine verifies them and `rollback`s the rejected ones.
+    """
+
+    request: Request
+    start: int
+    token_ids: list[int]
+    slots: list[int]
+    samples: bool
+    draft_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: the scheduled chunks in forward order, plus block copies to make first."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_prefix_query_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous-batching scheduler over a `BlockManager`.
+
+    Args:
+        manager: the block manager whose pool holds every request's K/V. Its pool must not grow
+            behind the scheduler's back: admission and preemption reason about its free blocks.
+        max_num_seqs: most requests running at once.
+        max_num_batched_tokens: token budget of one step (decodes plus prefill chunks).
+    """
+
+    def __init__(self, manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+        self.check_limits(max_num_seqs, max_num_batched_tokens)
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the newest
+        self.num_preemptions = 0
+        self._next_arrival = 0
+
+    @staticmethod
+    def check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Raise ValueError unless both limits are positive integers."""
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    # ------------------------------------------------------------------ questions
+    @property
+    def block_size(self) -> int:
+        return self.manager.block_size
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether one request of `num_tokens` tokens fits the pool once everything else is gone."""
+        return self.max_blocks_for(num_tokens) <= self.manager.pool.num_blocks
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ mutations
+    def add(self, request: Request) -> None:
+        """Queue a request. Raises ValueError if it could never fit the pool (it would wait forever)."""
+        if not self.can_ever_fit(request.max_total_tokens):
+            raise ValueError(
+                f"request {request.request_id!r} may grow to {request.max_total_tokens} tokens, which needs "
+                f"{self.max_blocks_for(request.max_total_tokens)} KV blocks of {self.block_size}, but the pool has "
+                f"only {self.manager.pool.num_blocks}; shorten the prompt or max_new_tokens, or enlarge the pool"
+            )
+        request.status = RequestStatus.WAITING
+        request.arrival = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(request)
+
+    def finish(self, request: Request) -> None:
+        """Remove a request (finished or aborted) and release its blocks. Idempotent."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status == RequestStatus.WAITING:
+            self.waiting.remove(request)
+        if request.status != RequestStatus.FINISHED:
+            self.manager.free(request.seq)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide the next step and allocate its slots (the block tables change here)."""
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        # Decodes first, then prefill continuations; each in admission order.
+        queue = sorted(self.running, key=lambda r: (r.num_pending_tokens > 1, r.arrival))
+        for request in queue:
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            drafts = request.spec_token_ids if request.num_pending_tokens == 1 else []
+            request.spec_token_ids = []
+            num_new = min(request.num_pending_tokens + len(drafts), budget)
+            if num_new == 0:
+                continue  # nothing to compute (the engine always samples or finishes first)
+            drafts = drafts[: num_new - 1]
+            if drafts and not self.manager.can_append(request.seq, num_new):
+                drafts, num_new = [], 1  # speculation never preempts anyone
+            while not self.manager.can_append(request.seq, num_new):
+                victim = self._newest_unscheduled(scheduled_ids)
+                self.preempt(victim, out)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                continue
+            self._schedule_chunk(request, num_new, out, drafts)
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+
+        # Admit new work only when nothing had to be preempted: the pool is under pressure.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            request = self.waiting[0]
+            prompt = request.token_ids
+            # Keep the last token out of the cache hit so it is computed and yields logits.
+            cacheable = prompt[: len(prompt) - 1]
+            num_cached = self.manager.num_cached_prefix_tokens(request.seq, cacheable)
+            num_new = min(len(prompt) - num_cached, budget)
+            blocks = self.manager.num_blocks_needed(request.seq, num_cached + num_new)
+            if not self.manager.pool.can_allocate(blocks):
+                break  # FIFO: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            out.num_prefix_query_tokens += len(prompt)
+            if num_cached:
+                hit = self.manager.append_tokens(request.seq, cacheable[:num_cached])
+                out.copies.extend(hit.copies)
+                num_cached = hit.num_cached_tokens  # == num_cached: the lookup and the take are one step
+                request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            out.num_prefix_hit_tokens += num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule_chunk(request, num_new, out)
+            scheduled_ids.add(request.request_id)
+            budget -= num_new
+        return out
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Forget the last `num_tokens` computed tokens (rejected speculative tokens): their slots
+        are released and their blocks truncated, so nothing stale is ever read."""
+        if num_tokens:
+            self.manager.truncate(request.seq, num_tokens)
+            request.num_computed_tokens -= num_tokens
+
+    def preempt(self, request: Request, out: SchedulerOutput | None = None) -> None:
+        """Free a running request's blocks and put it back at the head of the waiting queue, to be
+        recomputed (mostly from the prefix cache). Also used by the engine to requeue the requests of
+        a step whose forward failed. `out`, when given, records it in the step's `preempted`."""
+        self.running.remove(request)
+        self.manager.free(request.seq)
+        request.seq.prefix_epoch = None  # it restarts from nothing: hashing may resume
+        request.seq.is_cacheable = True  # its tokens are all known ids (only inputs_embeds are not)
+        request.spec_token_ids = []  # proposed after its last token; re-admission samples a new one
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        if out is not None:
+            out.preempted.append(request)
+
+    # ------------------------------------------------------------------ internals
+    def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput,
+                        drafts: list[int] | None = None) -> None:
+        drafts = list(drafts or [])
+        start = request.num_computed_tokens
+        tokens = request.token_ids[start : start + num_new - len(drafts)] + drafts
+        result = self.manager.append_tokens(request.seq, tokens)
+        out.copies.extend(result.copies)
+        request.num_computed_tokens += num_new
+        out.scheduled.append(ScheduledRequest(
+            request=request, start=start, token_ids=tokens, slots=result.slots,
+            samples=request.num_computed_tokens - len(drafts) == len(request.token_ids),
+            draft_token_ids=drafts,
+        ))
+
+    def _newest_unscheduled(self, scheduled_ids: set[str]) -> Request:
+        """The newest running request not already in this step (its slots are taken)."""
+        for request in reversed(self.running):
+            if request.request_id not in scheduled_ids:
+                return request
+        raise AssertionError("no preemptible request; can_ever_fit should have prevented this")

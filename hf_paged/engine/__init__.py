@@ -1,0 +1,16 @@
+"""The serving engine: continuous batching over a transformers model with a paged KV cache.
+
+* `engine.py`: `Engine`, the step loop (schedule, forward, sample, commit), streaming and abort.
+* `inputs.py`: prompts and sampling parameters, checked before anything is queued.
+* `kv_budget.py`: the default KV pool size. `outputs.py`: `RequestOutput`, `StreamEvent` and text.
+* `metrics.py`: per-request and engine-wide metrics with vLLM's names.
+
+Drives `core` (scheduler), `worker` (forward, sampling) and `spec_decode` (drafts); the
+transformers-facing glue that calls it lives in `integrations`.
+"""
+
+from .engine import Engine
+from .metrics import EngineMetrics, RequestMetrics
+from .outputs import RequestOutput, StreamEvent
+
+__all__ = ["Engine", "EngineMetrics", "RequestMetrics", "RequestOutput", "StreamEvent"]

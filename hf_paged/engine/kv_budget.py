@@ -1,0 +1,39 @@
+"""How many KV blocks an `Engine` reserves when the user names no pool size.
+
+Without `num_blocks` / `max_kv_bytes` the pool gets a byte budget (vLLM's CPU default is 4 GiB; we
+take 2 GiB on CPU, half the free device memory on CUDA), capped at what `max_num_seqs` sequences of
+`max_model_len` tokens could ever need.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import PagedCacheConfig
+from ..hf import PagedCache
+
+DEFAULT_KV_BYTES_CPU = 2 << 30
+DEFAULT_KV_FRACTION_CUDA = 0.5  # of the device memory free when the engine is built
+
+
+def default_num_blocks(model: torch.nn.Module, probe: PagedCacheConfig, max_num_seqs: int, max_model_len: int,
+                       device: torch.device) -> int:
+    """Blocks for `probe.max_kv_bytes` (or the default budget on `device`), capped at the most ever needed.
+
+    Raises:
+        ValueError: the budget is smaller than one block.
+    """
+    cache = PagedCache(model.config, PagedCacheConfig(block_size=probe.block_size, kv_cache_dtype=probe.kv_cache_dtype))
+    bytes_per_block = cache.bytes_per_block(next(model.parameters()).dtype)
+    budget = probe.max_kv_bytes
+    if budget is None:
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            budget = int(free * DEFAULT_KV_FRACTION_CUDA)
+        else:
+            budget = DEFAULT_KV_BYTES_CPU
+    most_ever = max_num_seqs * -(-min(max_model_len, 1 << 20) // probe.block_size)
+    num_blocks = min(budget // bytes_per_block, most_ever)
+    if num_blocks < 1:
+        raise ValueError(f"max_kv_bytes={budget} is smaller than one KV block ({bytes_per_block} bytes)")
+    return num_blocks

@@ -1,0 +1,405 @@
+"""`PagedCache`: a transformers `Cache` whose K/V live in a pool of fixed-size blocks.
+
+KV layout (one pair of tensors per layer, shared block ids across layers):
+
+    key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+
+           block 0          block 1          block 2          block 3
+        +----------------+----------------+----------------+----------------+
+        | a0 a1 ... a15  | b0 b1 .. b9 __ | a16 a17 __ ... |      free      |
+        +----------------+----------------+----------------+----------------+
+
+    block_tables (one row per sequence)     slot = block_id * block_size + offset
+        seq a: [0, 2]   -> token a17 is slot 2 * 16 + 1 = 33
+        seq b: [1]
+
+Nothing is sized for the maximum length: a sequence holds ceil(len / block_size) blocks, so waste
+is at most block_size - 1 tokens per sequence, and padding in a batch holds no slot at all.
+Sequences that share a prompt share its full blocks (prefix caching, hash-chained) and forks share
+everything until one of them writes (copy-on-write).
+
+This class is the only owner of KV tensors, and the only transformers `Cache` of hf_paged. It
+implements the Cache API (update, lengths, crop, beam reordering, reset) and nothing else: which
+block holds a token is the torch-free `BlockManager`'s answer (`core`), padded batches are read by
+`padding.py`, pool growth is sized by `pool_sizing.py`, the weights epoch lives in `weights.py`,
+and the dense K/V for other attention implementations is gathered by `attention.torch_paged`.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention import dispatch
+from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata
+from ..attention.torch_paged import Workspace, gather_dense
+from ..config import PagedCacheConfig
+from ..core import BlockManager, BlockPool, KVSequence
+from . import pool_sizing
+from .padding import real_columns, real_tokens
+from .support import check_model_supported, layer_types_of
+from .weights import WeightsEpoch
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's K/V blocks. Allocated on the layer's first `update`, on the device and with the
+    head shape of the states it receives; resized only when the shared pool grows."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: "PagedCache", is_sliding: bool = False):
+        super().__init__()
+        self._cache = cache
+        self.is_sliding = is_sliding
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        cache = self._cache
+        num_blocks, block_size = cache.pool.num_blocks, cache.block_size
+        dtype = cache.kv_dtype or key_states.dtype
+        self.device = key_states.device
+        # zeros, not empty: padding columns of the dense path read never-written slots
+        self.keys = torch.zeros(num_blocks, block_size, key_states.shape[1], key_states.shape[3], dtype=dtype,
+                                device=self.device)
+        self.values = torch.zeros(num_blocks, block_size, value_states.shape[1], value_states.shape[3],
+                                  dtype=dtype, device=self.device)
+        self.is_initialized = True
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow the block dimension to `num_blocks`, keeping existing blocks (pool growth only)."""
+        if not self.is_initialized or self.keys.shape[0] == num_blocks:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(num_blocks, *old.shape[1:])
+            new[: old.shape[0]] = old
+            setattr(self, name, new)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys[dst.to(self.device)] = self.keys[src.to(self.device)]
+            self.values[dst.to(self.device)] = self.values[src.to(self.device)]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise RuntimeError("PagedLayer is written through PagedCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+
+class PagedCache(Cache):
+    """A paged KV cache for transformers models; a drop-in for `DynamicCache`.
+
+    Args:
+        config: the model's `PretrainedConfig` (its text config is used).
+        cache_config: a `PagedCacheConfig`; keyword overrides build one when omitted, e.g.
+            `PagedCache(model.config, block_size=32, num_blocks=256)`.
+
+    With `attn_implementation="hf_paged"` attention reads K/V straight from the blocks. With any other
+    implementation `update()` returns the gathered, contiguous `[batch, kv_heads, kv_len, head_dim]`
+    K/V that implementation expects (correct, slower).
+
+    Padding is never stored when the forward goes through a model attached with `hf_paged.attach`
+    (which `generate` does automatically): pad columns get slot -1. Rows must be left-padded, the
+    layout `generate` uses for decoder-only models.
+    """
+
+    def __init__(self, config, cache_config: PagedCacheConfig | None = None, **overrides):
+        if cache_config is not None and overrides:
+            raise TypeError("pass either cache_config or keyword overrides, not both")
+        check_model_supported(config)
+        self.cache_config = cache_config or PagedCacheConfig(**overrides)
+        text = config.get_text_config(decoder=True)
+        super().__init__(layers=[PagedLayer(self, is_sliding=t == "sliding_attention") for t in layer_types_of(config)])
+        self.block_size = self.cache_config.block_size
+        kv = self.cache_config.kv_cache_dtype
+        self.kv_dtype = None if kv == "auto" else getattr(torch, kv)
+        num_attention_heads = getattr(text, "num_attention_heads", 1)
+        self._config_num_kv_heads = getattr(text, "num_key_value_heads", None) or num_attention_heads
+        self._config_head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_attention_heads
+        self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
+        self.manager = BlockManager(self.pool, self.block_size)
+        self.seqs: list[KVSequence] = []
+        self._num_columns = 0  # what transformers sees as the cache length (padding included)
+        self._step: StepMetadata | None = None
+        self._next_seq_id = 0
+        self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)
+        self._workspace = Workspace()  # scratch for the torch attention path, reused across layers and steps
+
+    # ------------------------------------------------------------------ transformers' Cache API
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._num_columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self._num_columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._num_columns
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs) if self.seqs else -1
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Store this step's K/V for `layer_idx` and return what the attention needs.
+
+        Args:
+            key_states, value_states: [batch, num_kv_heads, q_len, head_dim] new states.
+
+        Returns:
+            PAGED steps: the layer's `[num_blocks, block_size, num_kv_heads, head_dim]` K and V blocks.
+            DENSE steps: gathered `[batch, num_kv_heads, kv_len, head_dim]` K and V, zero at padding.
+        """
+        step = self._step
+        if step is None or layer_idx in step.layers_done:
+            # No pre-forward plan (a model not attached via hf_paged.attach): plan from the shapes.
+            # Padding is unknown here, so every column is stored and the dense path masks it.
+            step = self.plan_step(batch_size=key_states.shape[0], q_len=key_states.shape[2], mode=DENSE,
+                                  device=key_states.device, dtype=key_states.dtype)
+        if not step.layers_done:
+            self._num_columns = step.num_columns
+        step.layers_done.add(layer_idx)
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        slot_mapping = step.slot_mapping.to(layer.device)
+        dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping)
+        if step.mode == PAGED:
+            return layer.keys, layer.values
+        return gather_dense(layer.keys, layer.values, step, key_states.dtype)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row `i` continues old row `beam_idx[i]`; repeated rows share blocks (CoW)."""
+        self._reindex(beam_idx.tolist())
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._reindex(indices.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._reindex([row for row in range(len(self.seqs)) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens of every row (assisted/speculative rollback),
+        releasing blocks that no longer hold any token."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}) with a positive value is not supported; pass a negative number of "
+                "tokens to remove"
+            )
+        n = -tokens_to_remove
+        if n == 0:
+            return
+        if n > self._num_columns:
+            raise ValueError(f"cannot crop {n} tokens from a cache holding {self._num_columns}")
+        short = [i for i, seq in enumerate(self.seqs) if seq.num_tokens < n]
+        if short:
+            raise ValueError(f"cannot crop {n} tokens: rows {short} hold fewer real (non-padding) tokens")
+        for seq in self.seqs:
+            self.manager.truncate(seq, n)
+        self._num_columns -= n
+        self._step = None
+
+    def reset(self) -> None:
+        """Forget every sequence. Their full blocks stay in the prefix cache for later requests
+        (unless the last forward did not finish, which leaves their content suspect)."""
+        if self._step_is_unfinished():
+            self.pool.reset_prefix_cache()
+        for seq in self.seqs:
+            self.manager.free(seq)
+        self.seqs = []
+        self._num_columns = 0
+        self._step = None
+
+    # ------------------------------------------------------------------ planning
+    def plan_step(
+        self,
+        *,
+        batch_size: int,
+        q_len: int,
+        mode: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> StepMetadata:
+        """Allocate slots for one forward of a padded `[batch_size, q_len]` batch and build its metadata.
+
+        Args:
+            mode: PAGED (attention reads blocks) or DENSE (update returns gathered K/V).
+            input_ids: [batch_size, q_len] token ids, for prefix caching; None when unknown.
+            attention_mask: [batch_size, past + q_len] 2D padding mask (1 = real token), or None.
+
+        Raises:
+            ValueError: bad batch shape or padding layout, or a sequence that can never fit the pool.
+            NoFreeBlocksError: the pool (at its size limit) has too few free blocks right now.
+        """
+        if self._step_is_unfinished():
+            self.pool.reset_prefix_cache()  # its blocks were hashed before their K/V were written
+            self._step = None
+            raise RuntimeError(
+                "the previous forward with this PagedCache did not finish (it raised?), so its K/V are "
+                "incomplete; call cache.reset() before reusing the cache"
+            )
+        if self.seqs and len(self.seqs) != batch_size:
+            raise ValueError(
+                f"the PagedCache holds {len(self.seqs)} sequences but this forward has batch size {batch_size}; "
+                "call cache.reset() before reusing it for another batch"
+            )
+        seqs = self.seqs or [self._new_sequence() for _ in range(batch_size)]
+        real_cols = real_columns(attention_mask, self._num_columns, [seq.num_tokens > 0 for seq in seqs], q_len)
+        new_tokens = real_tokens(input_ids, real_cols)
+        self._ensure_free_blocks(seqs, new_tokens, dtype)
+
+        # Validated and sized: from here on nothing can fail, so the cache state changes.
+        self.seqs = seqs
+        if input_ids is None:
+            for seq, cols in zip(seqs, real_cols):
+                if len(cols):
+                    seq.is_cacheable = False
+        slots, copies = [], []
+        for seq, tokens in zip(seqs, new_tokens):
+            result = self.manager.append_tokens(seq, tokens)
+            slots.append(result.slots)
+            copies.extend(result.copies)
+        self._apply_copies(copies)
+        self._step = build_step_metadata(
+            mode=mode,
+            q_len=q_len,
+            num_columns=self._num_columns + q_len,
+            real_cols=real_cols,
+            slots=slots,
+            block_tables=[seq.block_table for seq in self.seqs],
+            seq_lens=[seq.num_tokens for seq in self.seqs],
+            copies=copies,
+            device=device,
+        )
+        self._step.workspace = self._workspace
+        return self._step
+
+    def begin_step(self, step: StepMetadata) -> None:
+        """Run the next forward with `step`, planned outside the cache (the `Engine`'s scheduler owns
+        the sequences and their block tables); applies its copy-on-write copies first."""
+        if self._step_is_unfinished():
+            self._step = None
+            raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
+        self._apply_copies(step.copies)
+        step.workspace = self._workspace
+        self._step = step
+
+    def abandon_step(self) -> None:
+        """Forget a step whose forward raised. Blocks hashed for it may hold no K/V: drop every hash."""
+        if self._step_is_unfinished():
+            self.pool.reset_prefix_cache()
+        self._step = None
+
+    def new_sequence(self) -> KVSequence:
+        """A fresh `KVSequence` salted for this cache (its `cache_salt` and current weights epoch)."""
+        return self._new_sequence()
+
+    def _step_is_unfinished(self) -> bool:
+        return self._step is not None and len(self._step.layers_done) < len(self.layers)
+
+    def _ensure_free_blocks(self, seqs: list[KVSequence], new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+        """Grow the pool (and every layer's tensors) until this step's new blocks are free."""
+        needed = sum(self.manager.num_blocks_needed(seq, len(t)) for seq, t in zip(seqs, new_tokens))
+        if needed <= self.pool.num_free_blocks:
+            return
+        target = pool_sizing.growth_target(
+            num_blocks=self.pool.num_blocks, num_free_blocks=self.pool.num_free_blocks, num_needed=needed,
+            seq_totals=[seq.num_tokens + len(t) for seq, t in zip(seqs, new_tokens)], block_size=self.block_size,
+            limit=pool_sizing.max_num_blocks(self.cache_config, self.bytes_per_block(dtype)),
+            reason=pool_sizing.limit_reason(self.cache_config),
+        )
+        self.pool.grow(target - self.pool.num_blocks)
+        for layer in self.layers:
+            layer.resize(self.pool.num_blocks)
+
+    def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V one block takes across all layers."""
+        initialized = [layer for layer in self.layers if layer.is_initialized]
+        if len(initialized) == len(self.layers):
+            per_layer = [(layer.keys[0].numel() + layer.values[0].numel()) * layer.keys.element_size()
+                         for layer in self.layers]
+            return sum(per_layer)
+        dtype = self.kv_dtype or dtype or torch.float32
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        per_layer = 2 * self.block_size * self._config_num_kv_heads * self._config_head_dim * itemsize
+        return per_layer * len(self.layers)
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long)
+        for layer in self.layers:
+            layer.copy_blocks(src, dst)
+
+    # ------------------------------------------------------------------ sequences
+    def _new_sequence(self) -> KVSequence:
+        return KVSequence(seq_id=self._next_id(), extra_key=(self.cache_config.cache_salt, self.weights.epoch))
+
+    def _reindex(self, rows: list[int]) -> None:
+        if self.seqs:
+            self.seqs = self.manager.reindex(self.seqs, rows, self._next_id)
+            self._step = None
+
+    def _next_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def note_weights(self, fingerprint) -> None:
+        """Called before each step with `weights_fingerprint(model)`; see `WeightsEpoch.note`."""
+        self.weights.note(fingerprint)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        """Memory accounting.
+
+        Returns a dict with:
+            block_size, num_seqs, num_tokens (stored, summed over sequences),
+            num_blocks (pool capacity), num_used_blocks (held by live sequences),
+            num_shared_blocks (held by more than one sequence), num_cached_blocks (hashed, reusable),
+            prefix_cache_hits (blocks taken from the cache instead of recomputed),
+            bytes_per_token, kv_bytes (used blocks), kv_bytes_reserved (whole pool),
+            waste_tokens (allocated but empty slots, summed over sequences), max_waste_tokens_per_seq.
+        """
+        bs = self.block_size
+        used = {b for seq in self.seqs for b in seq.block_table}
+        shared = {b for b in used if self.pool.ref_count(b) > 1}
+        waste = [len(seq.block_table) * bs - seq.num_tokens for seq in self.seqs]
+        bpb = self.bytes_per_block() if any(layer.is_initialized for layer in self.layers) else 0
+        return {
+            "block_size": bs,
+            "num_seqs": len(self.seqs),
+            "num_tokens": sum(seq.num_tokens for seq in self.seqs),
+            "num_blocks": self.pool.num_blocks,
+            "num_used_blocks": len(used),
+            "num_shared_blocks": len(shared),
+            "num_cached_blocks": self.pool.num_cached_blocks,
+            "prefix_cache_hits": self.pool.num_prefix_hits,
+            "bytes_per_token": bpb // bs,
+            "kv_bytes": len(used) * bpb,
+            "kv_bytes_reserved": self.pool.num_blocks * bpb,
+            "waste_tokens": sum(waste),
+            "max_waste_tokens_per_seq": max(waste, default=0),
+        }

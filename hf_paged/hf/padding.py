@@ -1,0 +1,51 @@
+"""Padded batches: which columns of a transformers `[batch, q_len]` step hold real tokens.
+
+`generate` left-pads rows; the cache must store only real tokens. This module reads the 2D
+attention mask (and token ids, for prefix caching) of one step and returns, per row, the real
+columns and their token ids. It checks the left-padding rule and raises a `ValueError` that names
+the rows that break it. It allocates nothing and never touches the KV pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def real_columns(attention_mask: torch.Tensor | None, num_cached_columns: int, had_tokens: list[bool],
+                 q_len: int) -> list[range]:
+    """Per row, the columns of this step that hold real tokens (a suffix: left padding).
+
+    Args:
+        attention_mask: [batch, num_cached_columns + q_len] 2D padding mask (1 = real token), or None
+            (every column is real).
+        num_cached_columns: columns (padding included) already in the cache.
+        had_tokens: per row, whether it already stores tokens (such a row may not pad again).
+    """
+    batch_size = len(had_tokens)
+    if attention_mask is None:
+        return [range(q_len)] * batch_size
+    expected = (batch_size, num_cached_columns + q_len)
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != expected:
+        raise ValueError(
+            f"attention_mask must be 2D with shape {expected} (batch, cached + new columns), got "
+            f"{tuple(attention_mask.shape)}"
+        )
+    new = attention_mask[:, attention_mask.shape[1] - q_len :].bool().cpu()
+    num_real = new.sum(dim=1)
+    left_padded = torch.arange(q_len)[None, :] >= (q_len - num_real)[:, None]
+    bad = (new != left_padded).any(dim=1) | (torch.tensor(had_tokens) & (num_real < q_len))
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"PagedCache needs left padding (padding only before a row's first real token; use "
+            f"tokenizer.padding_side='left'); rows {rows} have padding after real tokens"
+        )
+    return [range(q_len - n, q_len) for n in num_real.tolist()]
+
+
+def real_tokens(input_ids: torch.Tensor | None, cols: list[range]) -> list[list[int]]:
+    """Per row, the token ids at its real columns; -1 (identity unknown) without `input_ids`."""
+    if input_ids is None:
+        return [[-1] * len(c) for c in cols]
+    rows = input_ids.tolist()
+    return [[rows[b][c] for c in row_cols] for b, row_cols in enumerate(cols)]

@@ -1,0 +1,87 @@
+"""Per-forward planning: a forward pre-hook that turns a padded batch into one `StepMetadata`.
+
+transformers gives a cache layer only K/V, never the padding mask, so the plan is made where both are
+visible: just before the decoder's forward, from its `input_ids`, `attention_mask` and `cache`. The
+hook then passes the plan down as the `paged_metadata` kwarg, which transformers forwards to every
+attention call (`TransformersKwargs`). `generate` attaches models automatically.
+
+Owns the hook only: the cache plans the step (`PagedCache.plan_step`); this module decides when,
+and whether the paged or the dense attention path runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..attention.metadata import DENSE, PAGED
+from .cache import PagedCache
+from .support import check_model_supported, decoder_of
+from .weights import weights_fingerprint
+
+_HOOK_ATTR = "_hf_paged_plan_hook"
+
+
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Make forwards of `model` with a `PagedCache` plan their step (padding-aware, prefix-cached).
+
+    Idempotent. `generate` calls it for you; call it yourself only to drive forwards by hand with
+    `model(input_ids, attention_mask=..., cache=PagedCache(model.config))`. Without it a `PagedCache`
+    still gives correct results, but stores padding and uses the dense attention path.
+
+    Raises:
+        ValueError: the model type cannot use a paged cache (encoder-decoder, recurrent layers...).
+    """
+    check_model_supported(model.config)
+    decoder = decoder_of(model)
+    if getattr(decoder, _HOOK_ATTR, None) is None:
+        params = list(inspect.signature(decoder.forward).parameters)
+        hook = decoder.register_forward_pre_hook(_make_plan_hook(model, params), with_kwargs=True)
+        setattr(decoder, _HOOK_ATTR, hook)
+    return model
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Remove the hook `attach` installed (no-op if none)."""
+    decoder = decoder_of(model)
+    hook = getattr(decoder, _HOOK_ATTR, None)
+    if hook is not None:
+        hook.remove()
+        setattr(decoder, _HOOK_ATTR, None)
+
+
+def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
+    def plan_hook(module, args, kwargs):
+        named = dict(zip(param_names, args))
+        get = lambda name: kwargs.get(name, named.get(name))  # noqa: E731
+        cache = get("cache")
+        if cache is None:
+            cache = get("past_key_values")
+        if not isinstance(cache, PagedCache) or kwargs.get("paged_metadata") is not None:
+            return None  # not ours, or already planned (the Engine plans its own steps)
+        input_ids, inputs_embeds = get("input_ids"), get("inputs_embeds")
+        reference = input_ids if input_ids is not None else inputs_embeds
+        if reference is None:
+            return None
+        attention_mask = get("attention_mask")
+        padding_known = attention_mask is None or (torch.is_tensor(attention_mask) and attention_mask.dim() == 2)
+        mode = PAGED if model.config._attn_implementation == "hf_paged" and padding_known else DENSE
+        if cache.cache_config.enable_prefix_caching and not cache.seqs:
+            # New sequences are about to be hashed: make sure no prefix computed under other weights
+            # can be hit. (Live sequences keep their salt, which new ones never share.)
+            cache.note_weights(weights_fingerprint(model))
+        meta = cache.plan_step(
+            batch_size=reference.shape[0],
+            q_len=reference.shape[1],
+            mode=mode,
+            device=reference.device,
+            dtype=model.dtype,
+            input_ids=input_ids if inputs_embeds is None else None,
+            attention_mask=attention_mask if padding_known else None,
+        )
+        if mode == PAGED:
+            kwargs["paged_metadata"] = meta
+        return args, kwargs
+
+    return plan_hook

@@ -1,0 +1,140 @@
+"""`generate` for models loaded with `attn_implementation="hf_paged"`.
+
+Two small wraps, both undone by `uninstall()`:
+
+* `GenerationMixin.generate`: a plain batched call (greedy or sampling, no beams, no extra outputs)
+  runs through the continuous-batching `Engine` (`integrations.batch_generate`), returning what stock
+  returns. Any other call goes on to stock generate unchanged.
+* `GenerationMixin._prepare_cache_for_generation` (private; transformers has no registry for cache
+  classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any
+  `PagedCache` in play is attached (`hf_paged.hf.attach`).
+
+The only module that patches transformers: checked against the installed version, reversible.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+
+import transformers
+from packaging.version import Version
+from transformers import DynamicCache
+from transformers.generation.utils import GenerationMixin
+
+from ..config import PagedCacheConfig, check_pool_fits
+from ..hf import PagedCache, attach
+
+logger = logging.getLogger(__name__)
+
+# The range this patch was written and tested against (pyproject.toml declares the same).
+SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
+_TARGET = "_prepare_cache_for_generation"
+_original = None
+_original_generate = None
+
+
+def is_supported_version(version: str | None = None) -> bool:
+    v = Version(version or transformers.__version__)
+    low, high = SUPPORTED_TRANSFORMERS
+    return low <= Version(v.base_version) < high
+
+
+def is_installed() -> bool:
+    return _original is not None
+
+
+def install() -> bool:
+    """Wrap `_prepare_cache_for_generation`. Idempotent; returns whether the patch is active."""
+    global _original
+    if _original is not None:
+        return True
+    if not is_supported_version():
+        low, high = SUPPORTED_TRANSFORMERS
+        warnings.warn(
+            f"hf_paged: transformers {transformers.__version__} is outside the tested range [{low}, {high}); "
+            "generate will not pick a PagedCache automatically (pass cache=PagedCache(...) explicitly)",
+            stacklevel=2,
+        )
+        return False
+    original = getattr(GenerationMixin, _TARGET)
+    _original = original
+    _install_generate()
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        key = _cache_key(model_kwargs)
+        cache = model_kwargs.get(key)
+        if self.config._attn_implementation == "hf_paged" and type(cache) is DynamicCache and not getattr(
+            cache, "_is_user_defined", False
+        ):
+            cache_config = getattr(self, "hf_paged_cache_config", None) or PagedCacheConfig()
+            cache = PagedCache(self.config, cache_config)
+            model_kwargs[key] = cache
+        elif self.config._attn_implementation == "hf_paged" and getattr(cache, "is_compileable", False):
+            raise ValueError(
+                f"attn_implementation='hf_paged' does not support compileable caches ({type(cache).__name__}, "
+                f"cache_implementation={generation_config.cache_implementation!r}); use the default cache, or "
+                "attn_implementation='sdpa' for static caches and torch.compile"
+            )
+        elif self.config._attn_implementation == "hf_paged" and cache is not None and not isinstance(cache, PagedCache):
+            _warn_once(
+                f"hf_paged: generate is using {type(cache).__name__} (cache_implementation="
+                f"{generation_config.cache_implementation!r}), not a PagedCache; attention takes the dense path"
+            )
+        if isinstance(cache, PagedCache):
+            attach(self)
+            _check_fits(cache, generation_config)
+        return result
+
+    setattr(GenerationMixin, _TARGET, _prepare_cache_for_generation)
+    return True
+
+
+def _cache_key(model_kwargs: dict) -> str:
+    """transformers 5.24 renamed `past_key_values` to `cache`; generate uses one or the other."""
+    return "past_key_values" if "past_key_values" in model_kwargs else "cache"
+
+
+def _install_generate() -> None:
+    global _original_generate
+    original_generate = GenerationMixin.generate
+    _original_generate = original_generate
+
+    @functools.wraps(original_generate)
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        if self.config._attn_implementation == "hf_paged" and not args:
+            from .batch_generate import try_engine_generate
+
+            result = try_engine_generate(self, inputs, generation_config, kwargs)
+            if result is not None:
+                return result
+        return original_generate(self, inputs, generation_config, *args, **kwargs)
+
+    GenerationMixin.generate = generate
+
+
+def uninstall() -> None:
+    """Restore transformers' original methods."""
+    global _original, _original_generate
+    if _original is not None:
+        setattr(GenerationMixin, _TARGET, _original)
+        _original = None
+    if _original_generate is not None:
+        GenerationMixin.generate = _original_generate
+        _original_generate = None
+
+
+def _check_fits(cache: PagedCache, generation_config) -> None:
+    """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool."""
+    check_pool_fits(cache.cache_config.num_blocks, cache.block_size, generation_config.max_length)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)

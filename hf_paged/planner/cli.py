@@ -1,0 +1,280 @@
+"""`hf-paged kv-size | roofline | plan`: the sizing calculus of `hf_paged.planner.sizing` on the command line.
+
+Every subcommand takes a model: a `config.json` path, a model directory, or a bundled reference name
+(see `hf_paged.planner.sizing.reference_config_names()`). Tables go to stdout; `--json` prints one JSON object
+instead. Bad input prints one line to stderr and returns exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..config import DEFAULT_BLOCK_SIZE
+from . import sizing
+from .sizing import GB, GiB
+
+_PLOT_SIZE = (8.0, 5.0)  # inches; at _PLOT_DPI the PNG is 800 x 500 pixels
+_PLOT_DPI = 100
+
+
+def add_subcommands(subparsers) -> None:
+    """Register kv-size, roofline and plan on an `argparse` subparsers object."""
+    names = ", ".join(sizing.reference_config_names())
+    model_help = f"config.json, model directory, or a bundled config: {names}"
+
+    kv = subparsers.add_parser("kv-size", help="KV-cache bytes per token, per sequence and in total")
+    kv.add_argument("model", help=model_help)
+    kv.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    kv.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
+    kv.add_argument("--kv-dtype", default="bf16", help="fp32, fp16, bf16, fp8 or int8 (default bf16)")
+    kv.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads (what-if)")
+    kv.add_argument("--compare", action="store_true", help="MHA vs GQA vs MQA (vs MLA) vs fp8, side by side")
+    kv.add_argument("--plot", metavar="PNG", help="draw KV GB against context length per attention variant")
+    kv.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    kv.set_defaults(sizing_handler=run_kv_size)
+
+    roof = subparsers.add_parser("roofline", help="decode arithmetic intensity against a GPU's roofline")
+    roof.add_argument("model", help=model_help)
+    roof.add_argument("--gpu", default=None,
+                      help=f"preset: {', '.join(sizing.GPU_PRESETS)} (default h100-sxm unless --tflops and "
+                           "--bandwidth are both given)")
+    roof.add_argument("--tflops", type=float, default=None, help="peak dense TFLOPS (overrides the preset)")
+    roof.add_argument("--bandwidth", type=float, default=None, help="memory bandwidth in TB/s (overrides the preset)")
+    roof.add_argument("--seq-len", type=int, default=1024, help="cached tokens per sequence (default 1024)")
+    roof.add_argument("--batch", type=int, nargs="+", default=None,
+                      help=f"batch sizes to tabulate (default {' '.join(map(str, sizing.DEFAULT_BATCH_SIZES))})")
+    roof.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
+    roof.add_argument("--kv-dtype", default="bf16", help="KV dtype (default bf16)")
+    roof.add_argument("--plot", metavar="PNG", help="draw the roofline with the decode points marked")
+    roof.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    roof.set_defaults(sizing_handler=run_roofline)
+
+    pl = subparsers.add_parser("plan", help="weights, KV blocks and concurrent sequences that fit one GPU")
+    pl.add_argument("model", help=model_help)
+    pl.add_argument("--gpu", default=None, help=f"preset giving the memory size: {', '.join(sizing.GPU_PRESETS)}")
+    pl.add_argument("--memory-gb", type=float, default=None, help="GPU memory in GB (10^9 bytes)")
+    pl.add_argument("--utilization", type=float, default=0.9, help="fraction of memory to use (default 0.9)")
+    pl.add_argument("--kv-budget", type=int, default=None,
+                    help="KV budget in bytes, instead of memory * utilization - weights")
+    pl.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    pl.add_argument("--max-seq-len", type=int, default=None,
+                    help="contiguous allocation length (default: the config's max_position_embeddings)")
+    pl.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                    help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
+    pl.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
+    pl.add_argument("--kv-dtype", default="bf16", help="KV dtype (default bf16)")
+    pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    pl.set_defaults(sizing_handler=run_plan)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the handler of a parsed sizing subcommand; bad input becomes one stderr line and status 2."""
+    try:
+        return args.sizing_handler(args)
+    except (ValueError, OSError, ImportError) as e:
+        print(f"hf-paged {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+# ---------------------------------------------------------------------------------------------- handlers
+def _shape(args) -> sizing.ModelShape:
+    return sizing.ModelShape.from_config(sizing.load_config(args.model), name=args.model)
+
+
+def run_kv_size(args) -> int:
+    shape = _shape(args)
+    if args.kv_heads is not None:
+        shape = shape.with_kv_heads(args.kv_heads)
+    sizing.dtype_bytes(args.kv_dtype)
+    if args.seq_len < 1:
+        raise ValueError(f"seq-len must be positive, got {args.seq_len}")
+    if args.compare:
+        rows = sizing.compare_kv(shape, args.seq_len, args.batch, args.kv_dtype)
+    else:
+        rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype)]
+    if args.plot:
+        plot_kv_vs_context(shape, args.plot, kv_dtype=args.kv_dtype, batch_size=args.batch, seq_len=args.seq_len)
+    windows = {w for w in shape.layer_windows if w is not None}
+    if args.json:
+        _print_json({"model": shape.name, "sliding_windows": sorted(windows), "rows": [r.to_dict() for r in rows],
+                     "plot": args.plot})
+        return 0
+    print(f"{shape.name}: {shape.num_layers} layers, {shape.num_attention_heads} heads, "
+          f"{_kv_desc(shape)}, seq_len {args.seq_len:,}, batch {args.batch:,}")
+    if windows:
+        print(f"sliding-window layers keep at most {', '.join(f'{w:,}' for w in sorted(windows))} tokens")
+    native = rows[0].total_bytes if not args.compare else sizing.kv_size(shape, args.seq_len, args.batch,
+                                                                          args.kv_dtype).total_bytes
+    headers = ["variant", "kv heads", "dtype", "bytes/token", "per seq GB", "per seq GiB", "total GB",
+               "total GiB", "vs model"]
+    table = [[r.variant, r.num_kv_heads, r.kv_dtype, f"{r.bytes_per_token:,}", f"{r.bytes_per_seq / GB:,.3f}",
+              f"{r.bytes_per_seq / GiB:,.3f}", f"{r.total_gb:,.1f}", f"{r.total_gib:,.1f}",
+              f"{r.total_bytes / native:.3g}x" if native else "-"] for r in rows]
+    print(_table(headers, table))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _kv_desc(shape) -> str:
+    if shape.is_mla:
+        return f"MLA latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
+    return f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim} ({shape.attention_kind})"
+
+
+def run_roofline(args) -> int:
+    shape = _shape(args)
+    gpu_name = args.gpu or (None if args.tflops is not None and args.bandwidth is not None else "h100-sxm")
+    gpu = sizing.get_gpu(gpu_name, args.tflops, args.bandwidth)
+    sizing.dtype_bytes(args.weight_dtype)
+    sizing.dtype_bytes(args.kv_dtype)
+    batches = args.batch or sizing.DEFAULT_BATCH_SIZES
+    for b in batches:
+        if b < 1:
+            raise ValueError(f"batch must be positive, got {b}")
+    if args.seq_len < 0:
+        raise ValueError(f"seq-len must be non-negative, got {args.seq_len}")
+    report = sizing.roofline(shape, gpu, seq_len=args.seq_len, batch_sizes=batches,
+                             weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype)
+    if args.plot:
+        plot_roofline(report, args.plot)
+    if args.json:
+        _print_json({**report.to_dict(), "plot": args.plot})
+        return 0
+    bound = (f"batch {report.compute_bound_batch:,}" if report.compute_bound_batch is not None else
+             f"never (intensity tends to {report.asymptotic_intensity:.1f} FLOPs/byte, KV reads dominate)")
+    print(f"{shape.name} on {gpu.name}: {gpu.tflops:g} TFLOPS, {gpu.bandwidth_tbs:g} TB/s; weights "
+          f"{args.weight_dtype}, KV {args.kv_dtype}, context {args.seq_len:,} tokens")
+    print(f"ridge point: {report.ridge_point:.1f} FLOPs/byte")
+    print(f"decode turns compute-bound at: {bound}")
+    print(f"bandwidth-bound time per token (batch 1): >= {report.min_time_per_token_s * 1e3:.3f} ms "
+          f"(<= {1 / report.min_time_per_token_s:,.1f} tokens/s)")
+    headers = ["batch", "GFLOPs/step", "GB read/step", "FLOPs/byte", "bound", "step ms >=", "tokens/s <="]
+    table = [[f"{p.batch_size:,}", f"{p.flops / 1e9:,.1f}", f"{p.bytes / GB:,.2f}", f"{p.intensity:,.2f}",
+              "compute" if p.is_compute_bound else "memory", f"{p.step_time_s * 1e3:,.3f}",
+              f"{p.tokens_per_s:,.0f}"] for p in report.points]
+    print(_table(headers, table))
+    if args.plot:
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def run_plan(args) -> int:
+    shape = _shape(args)
+    memory_gb = args.memory_gb
+    if memory_gb is None and args.gpu:
+        memory_gb = sizing.get_gpu(args.gpu).memory_gb
+    if memory_gb is not None and memory_gb <= 0:
+        raise ValueError(f"memory-gb must be positive, got {memory_gb}")
+    if memory_gb is None and args.kv_budget is None:
+        memory_gb = sizing.GPU_PRESETS["h100-sxm"].memory_gb
+    result = sizing.plan(shape, memory_bytes=int(memory_gb * GB) if memory_gb else None,
+                         utilization=args.utilization, seq_len=args.seq_len, block_size=args.block_size,
+                         max_seq_len=args.max_seq_len, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
+                         kv_budget_bytes=args.kv_budget)
+    if args.json:
+        _print_json(result.to_dict())
+        return 0
+    r = result
+    gain = f"{r.num_seqs_paged / r.num_seqs_contiguous:.1f}x" if r.num_seqs_contiguous else "-"
+    rows = [
+        ["GPU memory", _gb(r.memory_bytes) if r.memory_bytes else "-"],
+        ["utilization", f"{r.utilization:g}" if r.memory_bytes else "-"],
+        [f"weights ({args.weight_dtype}, {shape.num_params / 1e9:,.2f}B params)", _gb(r.weight_bytes)],
+        [f"KV budget ({args.kv_dtype})", _gb(r.kv_budget_bytes)],
+        [f"bytes per block ({r.block_size} tokens)", f"{r.bytes_per_block:,}"],
+        ["KV blocks", f"{r.num_blocks:,}"],
+        [f"blocks per sequence of {r.seq_len:,} tokens", f"{r.blocks_per_seq:,}"],
+        [f"sequences of {r.seq_len:,} tokens, paged", f"{r.num_seqs_paged:,}"],
+        [f"sequences, contiguous at max length {r.max_seq_len:,}", f"{r.num_seqs_contiguous:,}"],
+        ["paging gain", gain],
+        ["contiguous waste", f"{_gb(r.contiguous_waste_bytes)} ({r.contiguous_waste_fraction:.1%} of each allocation)"],
+        ["paged waste (last partial block)", _gb(r.paged_waste_bytes)],
+    ]
+    print(f"plan for {shape.name}")
+    print(_table(["quantity", "value"], rows))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def _figure():
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ImportError("--plot needs matplotlib: pip install 'hf_paged[plot]'") from None
+    fig = Figure(figsize=_PLOT_SIZE, dpi=_PLOT_DPI)  # no pyplot: no global state, no display backend
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_kv_vs_context(shape: sizing.ModelShape, path: str, *, kv_dtype: str = "bf16", batch_size: int = 1,
+                       seq_len: int | None = None, max_context: int | None = None) -> None:
+    """PNG of KV GB against context length (log x) for each attention variant of `shape`."""
+    top = max(max_context or 0, shape.max_position_embeddings or 0, seq_len or 0, 1024)
+    contexts = sorted({int(round(2 ** (i / 4))) for i in range(4 * 7, 4 * (top.bit_length() + 1))} | {top})
+    contexts = [c for c in contexts if c <= top]
+    fig = _figure()
+    ax = fig.add_subplot()
+    for label, variant, dtype in sizing.attention_variants(shape, kv_dtype):
+        gbs = [sizing.kv_bytes(variant, c, batch_size, dtype) / GB for c in contexts]
+        ax.plot(contexts, gbs, label=label if dtype in label else f"{label} ({dtype})")
+    if seq_len:
+        ax.axvline(seq_len, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"KV cache, GB (batch {batch_size})")
+    ax.set_title(f"{shape.name}: KV cache size by attention variant")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+def plot_roofline(report: sizing.Roofline, path: str) -> None:
+    """PNG of the roofline (attainable TFLOPS against FLOPs/byte, log-log) with the decode points."""
+    gpu = report.gpu
+    intensities = [p.intensity for p in report.points]
+    lo = min(min(intensities), 1.0) / 2
+    hi = max(max(intensities), report.ridge_point) * 4
+    xs = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.plot(xs, [min(gpu.tflops, x * gpu.bandwidth_tbs) for x in xs], color="black", label=f"{gpu.name} roofline")
+    ax.axvline(report.ridge_point, color="grey", linestyle=":", linewidth=1,
+               label=f"ridge {report.ridge_point:.0f} FLOPs/byte")
+    attained = [min(gpu.tflops, p.intensity * gpu.bandwidth_tbs) for p in report.points]
+    ax.scatter(intensities, attained, color="tab:red", zorder=3, label=f"decode, context {report.seq_len:,}")
+    for p, y in zip(report.points, attained):
+        ax.annotate(f"B={p.batch_size}", (p.intensity, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOPs/byte)")
+    ax.set_ylabel("attainable TFLOPS")
+    ax.set_title(f"{report.model} decode on {gpu.name} (weights {report.weight_dtype}, KV {report.kv_dtype})")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+def _gb(n: float) -> str:
+    return f"{n / GB:,.2f} GB ({n / GiB:,.2f} GiB)"
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row):  # first column left-aligned (labels), numbers right-aligned
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, default=lambda o: None if o != o else str(o)))

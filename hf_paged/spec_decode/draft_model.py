@@ -1,0 +1,120 @@
+"""`DraftModelProposer`: drafts with a smaller causal LM that shares the target's tokenizer.
+
+It keeps its own `PagedCache` and `ModelRunner`. At each proposal it catches up on the tokens
+committed since its last one, then drafts k tokens in k packed forwards for all requests at once.
+Its rejected positions are rolled back (`truncate`) at the next proposal, so it never reads a stale
+token. It never touches the target's cache.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ..attention import ATTN_IMPLEMENTATION
+from ..config import DEFAULT_BLOCK_SIZE, PagedCacheConfig
+from ..core import KVSequence
+from ..hf import PagedCache, decoder_of
+from ..worker import Chunk, ModelRunner
+from ..worker.sampling import processed_logits
+from .proposal import Proposal, ProposalRequest
+
+
+class DraftModelProposer:
+    """Drafts with a smaller causal LM that shares the target's tokenizer.
+
+    Args:
+        model: the draft model (switched to the "hf_paged" attention).
+        num_blocks, block_size: its own KV pool.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE):
+        if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.cache = PagedCache(_config_for_layers_present(model),
+                                PagedCacheConfig(block_size=block_size, num_blocks=num_blocks))
+        self.manager = self.cache.manager
+        self.runner = ModelRunner(model, self.cache)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.seqs: dict[str, KVSequence] = {}
+        self.num_forwards = 0
+
+    def free(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.manager.free(seq)
+
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in requests]
+        active, chunks, copies = [], [], []
+        for i, r in enumerate(requests):
+            seq = self.seqs.get(r.request_id)
+            if seq is None:
+                seq = self.seqs[r.request_id] = self.cache.new_sequence()
+            # Keep what the draft computed that is still committed; the rest (rejected drafts) goes.
+            common = _common_prefix(seq.token_ids, r.token_ids)
+            common = min(common, len(r.token_ids) - 1)  # feed at least the newest token
+            self.manager.truncate(seq, seq.num_tokens - common)
+            feed = r.token_ids[common:]
+            if r.num_tokens < 1 or not self.manager.can_append(seq, len(feed) + r.num_tokens - 1):
+                continue  # no room in the draft's pool: this request verifies no drafts this step
+            result = self.manager.append_tokens(seq, feed)
+            copies.extend(result.copies)
+            chunks.append(Chunk(seq, common, feed, result.slots, 1))
+            active.append(i)
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        for step in range(max((requests[i].num_tokens for i in active), default=0)):
+            if step:
+                chunks, copies = [], []
+                still = []
+                for i in active:
+                    if len(proposals[i].token_ids) >= requests[i].num_tokens:
+                        continue
+                    seq = self.seqs[requests[i].request_id]
+                    result = self.manager.append_tokens(seq, proposals[i].token_ids[-1:])
+                    copies.extend(result.copies)
+                    chunks.append(Chunk(seq, seq.num_tokens - 1, proposals[i].token_ids[-1:], result.slots, 1))
+                    still.append(i)
+                active = still
+            if not active:
+                break
+            logits = self.runner.forward(chunks, copies)
+            self.num_forwards += 1
+            for row, i in enumerate(active):
+                r = requests[i]
+                drafted = proposals[i].token_ids
+                processed = processed_logits(logits[row, : self.vocab_size], r.state.extended(drafted))
+                if r.state.params.is_greedy:
+                    drafted.append(int(processed.argmax()))
+                else:
+                    q = processed.softmax(dim=-1)
+                    drafted.append(int(torch.multinomial(q, 1, generator=r.state.generator)))
+                    probs[i].append(q)
+        for i, rows in probs.items():
+            if rows:
+                proposals[i].probs = torch.stack(rows)
+        return proposals
+
+
+def _config_for_layers_present(model: torch.nn.Module):
+    """The model's config, cut to the decoder layers it really has (a layer-skip draft shares the
+    full model's config but runs fewer layers; its cache must expect only those)."""
+    layers = getattr(decoder_of(model), "layers", None)
+    text = model.config.get_text_config(decoder=True)
+    if not isinstance(layers, torch.nn.ModuleList) or len(layers) >= text.num_hidden_layers:
+        return model.config
+    config = copy.deepcopy(model.config)
+    text = config.get_text_config(decoder=True)
+    text.num_hidden_layers = len(layers)
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types[: len(layers)])
+    return config
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

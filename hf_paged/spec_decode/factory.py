@@ -1,0 +1,49 @@
+"""Builds the proposer an `Engine` was configured with, validating the speculative knobs.
+
+Owns the mapping from user-facing options (`draft_model=`, `speculative_method=`,
+`num_speculative_tokens=`, the n-gram sizes) to one proposer; the engine only calls its
+`propose` / `free`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MAX_SPECULATIVE_TOKENS
+from ..hf import check_model_supported
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+SPECULATIVE_METHODS = ("draft_model", "ngram")
+
+
+def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, num_tokens: int | None,
+                  lookup_min: int, lookup_max: int, target_num_blocks: int, max_num_seqs: int,
+                  block_size: int):
+    """Returns `(proposer or None, num_speculative_tokens)`.
+
+    Raises:
+        ValueError: inconsistent or out-of-range options, naming the one at fault.
+    """
+    if draft_model is not None and method not in (None, "draft_model"):
+        raise ValueError(f"draft_model was given but speculative_method={method!r}; use 'draft_model'")
+    method = "draft_model" if draft_model is not None else method
+    if method is None:
+        if num_tokens:
+            raise ValueError("num_speculative_tokens needs draft_model= or speculative_method='ngram'")
+        return None, 0
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_method must be 'draft_model', 'ngram' or None, got {method!r}")
+    num_tokens = DEFAULT_NUM_SPECULATIVE_TOKENS if num_tokens is None else num_tokens
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                         f"got {num_tokens!r}")
+    if method == "ngram":
+        return NgramProposer(lookup_min, lookup_max), num_tokens
+    if draft_model is None:
+        raise ValueError("speculative_method='draft_model' needs draft_model=")
+    check_model_supported(draft_model.config)
+    # As many tokens as the target's pool, plus room for each running request's drafts.
+    blocks = target_num_blocks + max_num_seqs * -(-num_tokens // block_size)
+    return DraftModelProposer(draft_model, num_blocks=blocks, block_size=block_size), num_tokens

@@ -1,0 +1,33 @@
+"""What a proposer is asked and what it answers: the interface every drafting method implements.
+
+A proposer has `propose(requests: list[ProposalRequest]) -> list[Proposal]` (one answer per request,
+in order; fewer tokens than asked, even none, is fine) and `free(request_id)` (drop any per-request
+state). Plain data; no tensors beyond the draft distributions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..worker.sampling import SamplingState
+
+
+@dataclass
+class ProposalRequest:
+    """What a proposer sees of one request: its id, committed tokens (prompt + outputs), how many
+    tokens to draft, and its sampling state (drafts are sampled with it, so q is known)."""
+
+    request_id: str
+    token_ids: list[int]
+    num_tokens: int
+    state: SamplingState
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens, and the distributions they were sampled from ([k, vocab]; None = one-hot)."""
+
+    token_ids: list[int]
+    probs: torch.Tensor | None = None

@@ -1,0 +1,83 @@
+"""`ModelRunner`: one packed forward of a transformers model over a `PagedCache`.
+
+The engine's target model and a speculative draft model each own one. A step is a list of `Chunk`s,
+one per sequence: the tokens it feeds, their slots, and how many trailing positions need logits.
+transformers sees a single row `[1, num_tokens]` with explicit positions; the attention layers see
+one `StepMetadata` (built here) that tells the sequences apart.
+
+Owns the forward and its tensors (ids, positions, the logits index); it does not choose what runs
+(the scheduler does) or what is sampled (`sampling.py`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.metadata import build_packed_metadata
+from ..core import KVSequence
+from ..hf import PagedCache, decoder_of
+
+
+@dataclass
+class Chunk:
+    """One sequence's share of a packed forward.
+
+    Attributes:
+        seq: the block manager's record, already extended by this chunk (`append_tokens` ran).
+        start: position of the first token (tokens already in the cache before this chunk).
+        token_ids: the tokens fed, positions `start .. start + len - 1`.
+        slots: KV slot per token (-1: prefix-cache hit, nothing to write).
+        num_logits: how many of the last positions need logits (0 for a prompt chunk that stops
+            short, 1 to sample, k + 1 to verify k speculative tokens).
+    """
+
+    seq: KVSequence
+    start: int
+    token_ids: list[int]
+    slots: list[int]
+    num_logits: int
+
+
+class ModelRunner:
+    """Runs packed forwards of `model` against `cache` (which owns the K/V tensors)."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedCache):
+        self.model = model
+        self.cache = cache
+        self.device = next(model.parameters()).device
+        params = inspect.signature(decoder_of(model).forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def forward(self, chunks: list[Chunk], copies: list[tuple[int, int]]) -> torch.Tensor:
+        """Returns [sum(num_logits), vocab] logits, chunk by chunk in order.
+
+        On an exception the cache forgets the step (its new blocks hold no K/V) and it propagates."""
+        input_ids, positions, keep = [], [], []
+        for chunk in chunks:
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
+            end = len(input_ids)
+            keep.extend(range(end - chunk.num_logits, end))
+        meta = build_packed_metadata(
+            q_lens=[len(c.token_ids) for c in chunks],
+            slots=[c.slots for c in chunks],
+            block_tables=[c.seq.block_table for c in chunks],
+            seq_lens=[c.seq.num_tokens for c in chunks],
+            copies=copies,
+            device=self.device,
+        )
+        self.cache.begin_step(meta)
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
+                                 logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
+        except BaseException:
+            self.cache.abandon_step()
+            raise
+        return out.logits[0]

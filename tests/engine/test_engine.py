@@ -1,0 +1,406 @@
+"""The continuous-batching Engine on tiny random-weight models: parity with stock `generate` per prompt
+(large pool, chunked prefill, preemption), sampling, streaming, abort, bad input, metrics, and the
+drop-in batched `generate`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+import hf_paged.integrations.batch_generate as batch_generate
+from hf_paged import Engine, SamplingParams
+from tiny_models import CONFIGS, STOCK_ATTN, VOCAB, left_padded_batch, tiny_model
+
+NEW = 12
+LENGTHS = [5, 40, 17, 70, 1, 33, 16]
+
+
+def _prompts(lengths=LENGTHS, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _stock(arch, prompts, **gen_kwargs):
+    model = tiny_model(arch, STOCK_ATTN.get(arch, "sdpa"))
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **gen_kwargs)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+def _assert_no_leak(engine):
+    pool = engine.cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants()
+
+
+ENGINE_SETUPS = {
+    "large_pool": dict(),
+    "chunked": dict(max_num_batched_tokens=7),
+    "preempting": dict(num_blocks=30, block_size=4),
+    "block_size_1_two_seqs": dict(max_num_seqs=2, block_size=1, num_blocks=200),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_parity_with_stock_per_prompt(arch):
+    prompts = _prompts()
+    stock = _stock(arch, prompts, max_new_tokens=NEW, min_new_tokens=NEW)
+    model = tiny_model(arch, "hf_paged")
+    for name, kwargs in ENGINE_SETUPS.items():
+        engine = Engine(model, **kwargs)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+        assert [o.token_ids for o in outs] == stock, f"{arch}/{name}"
+        assert all(o.finish_reason == "length" for o in outs)
+        _assert_no_leak(engine)
+        metrics = engine.metrics()
+        if name == "preempting":
+            assert metrics["vllm:num_preemptions"] > 0
+        if name == "chunked":
+            assert max(engine._metrics.iteration_tokens) <= 7
+
+
+def test_prefix_cache_hits_skip_prefill_and_keep_parity():
+    shared = _prompts([48], seed=5)[0]
+    prompts = [shared + tail for tail in _prompts([3, 9, 20], seed=6)] + [shared]
+    stock = _stock("llama", prompts, max_new_tokens=NEW, min_new_tokens=NEW)
+    engine = Engine(tiny_model("llama", "hf_paged"), block_size=16)
+    first = engine.generate(prompts[:1], SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+    rest = engine.generate(prompts[1:], SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+    assert [o.token_ids for o in first + rest] == stock
+    # 48 shared tokens = 3 blocks; the identical prompt keeps its last token out of the hit (2 blocks).
+    assert [o.metrics.num_cached_tokens for o in rest] == [48, 48, 32]
+    metrics = engine.metrics()
+    assert metrics["vllm:prefix_cache_hits"] == 48 * 2 + 32
+    assert metrics["vllm:prompt_tokens"] == sum(len(p) for p in prompts) - (48 * 2 + 32)
+    _assert_no_leak(engine)
+
+
+def test_repetition_penalty_and_min_new_tokens_match_stock():
+    prompts = _prompts([6, 30, 11])
+    model = tiny_model("llama", "hf_paged")
+    greedy = Engine(model).generate(prompts, SamplingParams(max_new_tokens=3))
+    eos = greedy[0].token_ids[0]  # make the first greedy token the end-of-sequence token
+    stock = _stock("llama", prompts, max_new_tokens=NEW, min_new_tokens=4, repetition_penalty=1.3, eos_token_id=eos)
+    engine = Engine(model)
+    engine.eos_token_ids = [eos]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=4, repetition_penalty=1.3))
+    assert [o.token_ids for o in outs] == stock
+    assert eos not in outs[0].token_ids[:4]
+
+
+def test_stop_token_ids_and_ignore_eos():
+    prompt = _prompts([9])[0]
+    engine = Engine(tiny_model("llama", "hf_paged"))
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+    stop_at = free.token_ids[4]
+    first = free.token_ids.index(stop_at)
+    out = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
+
+
+class _CharTokenizer:
+    """Token t decodes to one letter: enough to test stop strings and streamed text."""
+
+    eos_token_id = 2
+
+    def __call__(self, text):
+        return {"input_ids": [3 + (ord(c) - 97) % 26 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + (t - 3) % 26) for t in ids)
+
+
+def test_stop_strings_cut_text_and_stream_text_deltas():
+    tok = _CharTokenizer()
+    engine = Engine(tiny_model("llama", "hf_paged"), tok)
+    free = engine.generate(["hello"], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0]
+    assert free.text == tok.decode(free.token_ids)
+    stop = free.text[5:7]
+    cut = free.text.find(stop)
+    out = engine.generate(["hello"], SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == free.text[:cut]
+    events = list(engine.stream("hello", SamplingParams(max_new_tokens=NEW, ignore_eos=True)))
+    assert "".join(e.text for e in events) == free.text
+    assert [e.token_id for e in events] == free.token_ids
+    assert [e.finish_reason for e in events] == [None] * (NEW - 1) + ["length"]
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
+    prompts = _prompts([6, 30, 11, 50])
+    model = tiny_model("llama", "hf_paged")
+    params = SamplingParams(max_new_tokens=NEW, temperature=1.3, top_k=50, top_p=0.9, seed=1234)
+    alone = Engine(model).generate([prompts[0]], params)[0].token_ids
+    again = Engine(model).generate([prompts[0]], params)[0].token_ids
+    others = [SamplingParams(max_new_tokens=NEW + i, temperature=0.8, seed=i) for i in range(3)]
+    batched = Engine(model, max_num_batched_tokens=16).generate(prompts, [params] + others)[0].token_ids
+    assert alone == again == batched
+    other_seed = Engine(model).generate([prompts[0]], SamplingParams(max_new_tokens=NEW, temperature=1.3, seed=99))
+    assert other_seed[0].token_ids != alone  # sampling really samples (a fixed seed pair, checked once)
+    greedy = Engine(model).generate([prompts[0]], SamplingParams(max_new_tokens=NEW))[0].token_ids
+    top1 = Engine(model).generate([prompts[0]], SamplingParams(max_new_tokens=NEW, temperature=1.0, top_k=1))
+    assert top1[0].token_ids == greedy
+
+
+def test_unseeded_sampling_follows_torch_manual_seed():
+    prompt = _prompts([8])[0]
+    engine = Engine(tiny_model("llama", "hf_paged"))
+    torch.manual_seed(7)
+    a = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, temperature=1.0))[0].token_ids
+    torch.manual_seed(7)
+    b = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, temperature=1.0))[0].token_ids
+    assert a == b
+
+
+def test_abort_mid_stream_frees_blocks_and_others_finish():
+    prompts = _prompts([20, 40, 33])
+    stock = _stock("llama", prompts, max_new_tokens=NEW, min_new_tokens=NEW)
+    engine = Engine(tiny_model("llama", "hf_paged"), block_size=4)
+    params = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+    ids = [engine.add_request(p, params) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    victim = engine._requests[ids[1]].request
+    held = len(victim.seq.block_table)
+    assert held > 0
+    free_before = engine.cache.pool.num_free_blocks
+    out = engine.abort(ids[1])
+    assert out.finish_reason == "abort" and len(out.token_ids) == 3  # one token per step, the prefill too
+    assert engine.cache.pool.num_free_blocks == free_before + held
+    assert engine.abort(ids[1]) is None  # already gone
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.token_ids
+    assert finished == {ids[0]: stock[0], ids[2]: stock[2]}
+    _assert_no_leak(engine)
+    assert engine.metrics()["num_requests_aborted"] == 1
+
+
+def test_stream_yields_in_order_and_closing_it_aborts():
+    prompts = _prompts([12, 25])
+    engine = Engine(tiny_model("llama", "hf_paged"))
+    params = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+    expected = [o.token_ids for o in engine.generate(prompts, params)]
+    seen = {0: [], 1: []}
+    for event in engine.stream(prompts, params):
+        seen[event.index].append(event.token_id)
+    assert [seen[0], seen[1]] == expected
+    stream = engine.stream(prompts, params)
+    next(stream)
+    assert engine.cache.pool.num_free_blocks < engine.cache.pool.num_blocks
+    stream.close()
+    assert not engine.has_unfinished_requests()
+    _assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, error, match",
+    [
+        ([], SamplingParams(), ValueError, "empty"),
+        ([3] * 600, SamplingParams(), ValueError, "max_model_len=512"),
+        ([3] * 100, SamplingParams(max_new_tokens=400), ValueError, "pool has only"),
+        ([5, 6], SamplingParams(max_new_tokens=0), ValueError, "max_new_tokens"),
+        ([5, 6], SamplingParams(max_new_tokens=-3), ValueError, "max_new_tokens"),
+        ([5, VOCAB], SamplingParams(), ValueError, "vocabulary"),
+        ([-1, 5], SamplingParams(), ValueError, "vocabulary"),
+        ([5, 2.5], SamplingParams(), TypeError, "ints"),
+        ("a string", SamplingParams(), TypeError, "tokenizer"),
+        ([5, 6], SamplingParams(temperature=-1), ValueError, "temperature"),
+        ([5, 6], SamplingParams(top_p=0), ValueError, "top_p"),
+        ([5, 6], SamplingParams(min_new_tokens=9, max_new_tokens=4), ValueError, "min_new_tokens"),
+        ([5, 6], SamplingParams(stop="x"), ValueError, "tokenizer"),
+    ],
+)
+def test_bad_request_is_reported_alone_and_the_others_complete(prompt, params, error, match):
+    good = _prompts([9, 30])
+    stock = _stock("llama", good, max_new_tokens=NEW, min_new_tokens=NEW)
+    engine = Engine(tiny_model("llama", "hf_paged"), num_blocks=20, block_size=16)
+    ok = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+    outs = engine.generate([good[0], prompt, good[1]], [ok, params, ok])
+    assert outs[1].finish_reason == "error" and isinstance(outs[1].error, error)
+    assert match in str(outs[1].error)
+    assert [outs[0].token_ids, outs[2].token_ids] == stock
+    with pytest.raises(error, match=match):
+        engine.add_request(prompt, params)
+    assert not engine.has_unfinished_requests()
+    _assert_no_leak(engine)
+
+
+def test_engine_config_errors():
+    model = tiny_model("llama", "hf_paged")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Engine(model, max_num_seqs=0)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Engine(model, max_num_batched_tokens=-1)
+    with pytest.raises(ValueError, match="block_size"):
+        Engine(model, block_size=0)
+    with pytest.raises(ValueError, match="fp8"):
+        Engine(model, kv_cache_dtype="fp8")
+    engine = Engine(model)
+    engine.add_request([5, 6], request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([5, 6], request_id="a")
+    with pytest.raises(ValueError, match="one per prompt"):
+        engine.generate([[5], [6]], [SamplingParams()] * 3)
+
+
+def test_a_forward_that_raises_loses_no_request():
+    prompts = _prompts([20, 9])
+    stock = _stock("llama", prompts, max_new_tokens=NEW, min_new_tokens=NEW)
+    model = tiny_model("llama", "hf_paged")
+    engine = Engine(model, block_size=4)
+    params = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.step()
+    engine.step()
+    layer = model.model.layers[1].mlp
+    original = layer.forward
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    layer.forward = boom
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    layer.forward = original
+    finished = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.token_ids
+    assert finished == dict(zip(ids, stock))
+    _assert_no_leak(engine)
+
+
+def test_metrics_use_vllm_names_and_add_up():
+    prompts = _prompts([10, 50, 30])
+    engine = Engine(tiny_model("llama", "hf_paged"), max_num_batched_tokens=32)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+    m = engine.metrics()
+    for key in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:num_preemptions", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits",
+                "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                "vllm:request_queue_time_seconds", "vllm:e2e_request_latency_seconds"):
+        assert key in m
+    assert m["vllm:generation_tokens"] == 3 * NEW and m["vllm:request_success"] == 3
+    assert m["vllm:prompt_tokens"] == 90 and m["vllm:prefix_cache_queries"] == 90
+    assert m["vllm:time_to_first_token_seconds"]["count"] == 3
+    assert m["vllm:inter_token_latency_seconds"]["count"] == 3 * (NEW - 1)
+    assert m["vllm:kv_cache_usage_perc"] == 0.0 and m["vllm:num_requests_running"] == 0
+    assert sum(m["vllm:iteration_tokens_total"]["sum"] for _ in [0]) == 90 + 3 * (NEW - 1)
+    for o in outs:
+        r = o.metrics
+        assert 0 <= r.queue_time <= r.time_to_first_token <= r.e2e_latency
+        assert len(r.inter_token_latencies) == NEW - 1
+    assert "generation throughput" in engine.metrics_summary()
+
+
+def test_weights_change_invalidates_the_prefix_cache():
+    prompt = _prompts([40])[0]
+    model = tiny_model("llama", "hf_paged")
+    engine = Engine(model)
+    params = SamplingParams(max_new_tokens=4)
+    engine.generate([prompt], params)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    out = engine.generate([prompt], params)[0]
+    assert out.metrics.num_cached_tokens == 0  # nothing computed under the old weights is reused
+    stock_model = tiny_model("llama", "sdpa")
+    with torch.no_grad():
+        stock_model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    ids = torch.tensor([prompt])
+    assert out.token_ids == stock_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                                 do_sample=False)[0, 40:].tolist()
+
+
+# ---------------------------------------------------------------------- drop-in batched generate
+@pytest.fixture
+def engine_calls(monkeypatch):
+    calls = []
+    original = batch_generate.Engine.generate
+
+    def spy(self, *args, **kwargs):
+        calls.append(args)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(batch_generate.Engine, "generate", spy)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2"])
+def test_dropin_generate_runs_through_the_engine_and_matches_stock(arch, engine_calls):
+    input_ids, attention_mask = left_padded_batch([5, 17, 33, 16], seed=1)
+    stock = tiny_model(arch, STOCK_ATTN.get(arch, "sdpa"))
+    model = tiny_model(arch, "hf_paged")
+    for kwargs in (dict(max_new_tokens=NEW), dict(max_new_tokens=NEW, eos_token_id=[5, 7, 9, 11, 13, 17, 19]),
+                   dict(max_new_tokens=5, return_dict_in_generate=True)):
+        ref = stock.generate(input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
+        n = len(engine_calls)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, **kwargs)
+        assert len(engine_calls) == n + 1
+        assert model.hf_paged_last_metrics["kv_peak_blocks"] > 0
+        assert type(out) is type(ref)
+        if kwargs.get("return_dict_in_generate"):
+            ref, out = ref.sequences, out.sequences
+        assert out.shape == ref.shape and torch.equal(out, ref)
+
+
+def test_dropin_generate_pads_rows_that_stop_early_like_stock(engine_calls):
+    input_ids, attention_mask = left_padded_batch([5, 17, 33, 16], seed=1)
+    stock = tiny_model("llama", "sdpa")
+    ref = stock.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=NEW)
+    first_tokens = ref[:, input_ids.shape[1]].tolist()
+    eos = first_tokens[0]  # row 0 stops at once; the others run on
+    ref = stock.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=NEW,
+                         eos_token_id=eos, pad_token_id=0)
+    out = tiny_model("llama", "hf_paged").generate(input_ids, attention_mask=attention_mask, do_sample=False,
+                                                  max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    assert engine_calls and torch.equal(out, ref)
+    assert (out[0, input_ids.shape[1] + 1:] == 0).all()
+
+
+def test_dropin_generate_falls_back_where_the_engine_cannot_follow(engine_calls):
+    input_ids, attention_mask = left_padded_batch([5, 17], seed=1)
+    model = tiny_model("llama", "hf_paged")
+    stock = tiny_model("llama", "sdpa")
+    for kwargs in (dict(output_scores=True, return_dict_in_generate=True), dict(num_beams=2),
+                   dict(no_repeat_ngram_size=2)):
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=6, **kwargs)
+        ref = stock.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=6, **kwargs)
+        seq = out.sequences if hasattr(out, "sequences") else out
+        ref_seq = ref.sequences if hasattr(ref, "sequences") else ref
+        assert torch.equal(seq, ref_seq)
+    assert not engine_calls
+    model.hf_paged_use_engine = False
+    model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3)
+    assert not engine_calls
+    right_padded = attention_mask.flip(1)
+    del model.hf_paged_use_engine
+    with pytest.raises(ValueError, match="left padding"):
+        model.generate(input_ids.flip(1), attention_mask=right_padded, max_new_tokens=3)
+
+
+def test_engine_switches_a_model_to_hf_paged():
+    model = tiny_model("llama", "sdpa")
+    Engine(model)
+    assert model.config._attn_implementation == hf_paged.ATTN_IMPLEMENTATION
+
+
+def test_dropin_sampling_runs_through_the_engine_and_follows_manual_seed(engine_calls):
+    input_ids, attention_mask = left_padded_batch([5, 17, 33], seed=4)
+    model = tiny_model("llama", "hf_paged")
+    kwargs = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=NEW, min_new_tokens=NEW)
+    torch.manual_seed(3)
+    a = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    torch.manual_seed(3)
+    b = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    torch.manual_seed(4)
+    c = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    assert len(engine_calls) == 3
+    assert a.shape == (3, input_ids.shape[1] + NEW) and torch.equal(a[:, : input_ids.shape[1]], input_ids)
+    assert torch.equal(a, b) and not torch.equal(a, c)

@@ -1,0 +1,285 @@
+"""Speculative decoding: the verification functions on their own, lossless greedy and sampling in the
+engine, rollback without leaks, and the drop-in `generate(assistant_model=...)` for batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from hf_paged import Engine, SamplingParams
+from hf_paged.spec_decode import (
+    NgramProposer,
+    expected_tokens_per_forward,
+    layer_skip_draft,
+    rejection_sample,
+    verify_greedy,
+)
+from tiny_models import STOCK_ATTN, VOCAB, tiny_model
+
+NEW = 16
+# Chi-square tests: significance level 0.001, critical values from the Wilson-Hilferty approximation.
+ALPHA_Z = 3.090  # standard normal quantile at 1 - 0.001
+
+
+def chi2_critical(df: int, z: float = ALPHA_Z) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic, cells with expected count < 5 pooled into one; returns (stat, df)."""
+    n = counts.sum().item()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
+    exp = torch.cat([expected[big].double(), expected[~big].double().sum()[None]])
+    keep = exp > 0
+    stat = (((obs - exp) ** 2) / exp)[keep].sum().item()
+    return stat, int(keep.sum().item()) - 1
+
+
+# ---------------------------------------------------------------------------------------- pure functions
+def test_verify_greedy_prefix_bonus_and_first_mismatch():
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert verify_greedy([5, 9, 7, 8], [5, 6, 7]) == [5, 9]  # stops at the first mismatch
+    assert verify_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]  # none accepted: the target's own token
+    assert verify_greedy([3], []) == [3]
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        verify_greedy([1, 2], [1, 2])
+
+
+def _random_dists(k: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g) * 1.5, dim=-1)
+    drafts = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
+    return p, q, drafts
+
+
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_matches_the_target_distribution(one_hot):
+    """First emitted token ~ p_0 and, given it equals draft 1, the second ~ p_1, whatever q is.
+    Draws are redrawn drafts from q each trial (as a proposer would), 20k trials, seed fixed."""
+    vocab, k, trials = 6, 2, 20000
+    p, q, _ = _random_dists(k, vocab, seed=3)
+    g = torch.Generator().manual_seed(11)
+    first = torch.zeros(vocab, dtype=torch.long)
+    second_given = torch.zeros(vocab, dtype=torch.long)
+    fixed_d1 = 2
+    for _ in range(trials):
+        if one_hot:
+            drafts = [fixed_d1, int(torch.randint(vocab, (1,), generator=g))]
+            out = rejection_sample(p, None, drafts, g)
+        else:
+            drafts = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
+            out = rejection_sample(p, q, drafts, g)
+        assert 1 <= len(out) <= k + 1
+        first[out[0]] += 1
+        if len(out) > 1 and out[0] == drafts[0] == fixed_d1:
+            second_given[out[1]] += 1
+    stat, df = chi2_statistic(first, p[0])
+    assert stat < chi2_critical(df), f"first token: chi2={stat:.1f} df={df}"
+    stat, df = chi2_statistic(second_given, p[1])
+    assert stat < chi2_critical(df), f"second token: chi2={stat:.1f} df={df}"
+    # The same test rejects the draft's distribution: it has the power to fail.
+    if not one_hot:
+        stat, df = chi2_statistic(first, q[0])
+        assert stat > chi2_critical(df)
+
+
+def test_rejection_sampling_accepts_everything_when_draft_equals_target():
+    p, _, _ = _random_dists(3, 8, seed=5)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        drafts = [int(torch.multinomial(p[j], 1, generator=g)) for j in range(3)]
+        out = rejection_sample(p, p[:3], drafts, g)
+        assert out[:3] == drafts and len(out) == 4
+
+
+def test_ngram_lookup():
+    prop = NgramProposer(min_ngram=1, max_ngram=3)
+    assert prop.lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert prop.lookup([7, 1, 2, 9, 1, 2, 8, 1, 2], 2) == [8, 1]  # latest earlier occurrence
+    assert prop.lookup([1, 2, 3], 2) == []  # nothing repeats
+    assert prop.lookup([5], 4) == []
+    with pytest.raises(ValueError):
+        NgramProposer(min_ngram=0)
+
+
+def test_closed_form():
+    assert expected_tokens_per_forward(0.8, 5) == pytest.approx(3.6893, abs=1e-4)
+    assert expected_tokens_per_forward(1.0, 5) == 6
+    assert expected_tokens_per_forward(0.0, 5) == 1
+
+
+# ---------------------------------------------------------------------------------------- engine, greedy
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randint(3, VOCAB, (12,), generator=g).tolist()
+    # Repetitive prompts give prompt lookup something to find; random ones give it nothing.
+    return [base * 4, base * 2 + [5, 6, 7], torch.randint(3, VOCAB, (30,), generator=g).tolist(), [9], base[:5]]
+
+
+def _stock(arch, prompts):
+    model = tiny_model(arch, STOCK_ATTN.get(arch, "sdpa"))
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def _no_leaks(engine):
+    for pool in [engine.cache.pool] + ([engine.proposer.cache.pool] if hasattr(engine.proposer, "cache") else []):
+        assert pool.num_free_blocks == pool.num_blocks
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculative_is_lossless(arch, k):
+    prompts = _prompts()
+    stock = _stock(arch, prompts)
+    model = tiny_model(arch, "hf_paged")
+    drafts = {
+        "ngram": dict(speculative_method="ngram"),
+        "random_draft": dict(draft_model=tiny_model(arch, "hf_paged", seed=1)),  # rejects nearly everything
+        "self_draft": dict(draft_model=tiny_model(arch, "hf_paged")),  # accepts everything: the bonus path
+        "layer_skip": dict(draft_model=layer_skip_draft(model, 2)),
+    }
+    for name, kwargs in drafts.items():
+        engine = Engine(model, num_speculative_tokens=k, block_size=4, **kwargs)
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+        assert [o.token_ids for o in outs] == stock, f"{arch}/{name}/k={k}"
+        spec = engine.metrics()
+        assert spec["vllm:spec_decode_num_drafts"] > 0, name
+        if name == "self_draft":
+            assert spec["alpha"] == 1.0 and spec["tokens_per_target_forward"] > 0.8 * (k + 1)
+        if name == "random_draft":
+            assert spec["alpha"] < 0.2
+        _no_leaks(engine)
+
+
+def test_speculation_under_preemption_and_mixed_with_plain_requests():
+    prompts = _prompts()
+    stock = _stock("llama", prompts)
+    model = tiny_model("llama", "hf_paged")
+    engine = Engine(model, speculative_method="ngram", num_speculative_tokens=4, block_size=4, num_blocks=24,
+                    max_num_batched_tokens=32)
+    params = [SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, num_speculative_tokens=0 if i % 2 else None)
+              for i in range(len(prompts))]
+    outs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outs] == stock
+    m = engine.metrics()
+    assert m["vllm:num_preemptions"] > 0 and m["vllm:spec_decode_num_drafts"] > 0
+    _no_leaks(engine)
+
+
+def test_speculative_metrics_and_closed_form():
+    prompts = _prompts()
+    engine = Engine(tiny_model("llama", "hf_paged"), speculative_method="ngram", num_speculative_tokens=3)
+    engine.generate(prompts, SamplingParams(max_new_tokens=40, min_new_tokens=40))
+    m = engine.metrics()
+    assert m["vllm:spec_decode_num_draft_tokens"] >= m["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert sum(m["vllm:spec_decode_num_accepted_tokens_per_pos"]) == m["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = m["acceptance_rate_per_pos"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:]))  # a later draft is accepted only after the earlier
+    assert m["tokens_per_target_forward"] == pytest.approx(
+        1 + m["vllm:spec_decode_num_accepted_tokens"] / m["vllm:spec_decode_num_drafts"])
+    assert m["predicted_tokens_per_target_forward"] > 1
+
+
+def test_engine_speculative_config_errors():
+    model = tiny_model("llama", "hf_paged")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(model, speculative_method="ngram", num_speculative_tokens=16)
+    with pytest.raises(ValueError, match="speculative_method"):
+        Engine(model, speculative_method="medusa")
+    with pytest.raises(ValueError, match="draft_model"):
+        Engine(model, speculative_method="draft_model")
+    with pytest.raises(ValueError, match="num_speculative_tokens needs"):
+        Engine(model, num_speculative_tokens=3)
+    engine = Engine(model, speculative_method="ngram")
+    out = engine.generate([[5, 6]], SamplingParams(num_speculative_tokens=-1))[0]
+    assert out.finish_reason == "error" and "num_speculative_tokens" in str(out.error)
+
+
+# ---------------------------------------------------------------------------------------- engine, sampling
+def _small_vocab_model(seed: int):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=12, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                         bos_token_id=1, eos_token_id=11, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="hf_paged").eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # a peaked-enough distribution that the draft differs from it
+    return model
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_speculative_sampling_distribution_matches_the_target(method):
+    """3000 seeded requests sample three tokens. The first comes from the prefill; the second and third
+    from speculative verification (first and second verified positions). The joint (t1, t2) must match
+    the target's exact p(t1) p(t2 | t1), and t3 given the most frequent (t1, t2) its p(t3 | t1, t2)
+    (chi-square, significance 0.001)."""
+    target = _small_vocab_model(0)
+    prompt = [3, 5, 3, 5, 3]
+    vocab, n = 12, 3000
+    with torch.no_grad():
+        p1 = target(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        p2 = target(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].softmax(-1)  # [t1, t2]
+    joint = (p1[:, None] * p2).flatten()
+    kwargs = dict(draft_model=_small_vocab_model(1)) if method == "draft_model" else dict(speculative_method="ngram")
+    engine = Engine(target, num_speculative_tokens=2, max_num_seqs=512, **kwargs)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True, temperature=1.0, seed=s) for s in range(n)]
+    outs = engine.generate([prompt] * n, params)
+    counts = torch.zeros(vocab * vocab, dtype=torch.long)
+    for o in outs:
+        counts[o.token_ids[0] * vocab + o.token_ids[1]] += 1
+    stat, df = chi2_statistic(counts, joint)
+    assert stat < chi2_critical(df), f"(t1, t2): chi2={stat:.1f} df={df} critical={chi2_critical(df):.1f}"
+    top = int(counts.argmax())
+    a, b = divmod(top, vocab)
+    with torch.no_grad():
+        p3 = target(torch.tensor([prompt + [a, b]])).logits[0, -1].softmax(-1)
+    third = torch.zeros(vocab, dtype=torch.long)
+    for o in outs:
+        if o.token_ids[:2] == [a, b]:
+            third[o.token_ids[2]] += 1
+    stat, df = chi2_statistic(third, p3)
+    assert stat < chi2_critical(df), f"t3 | ({a}, {b}): chi2={stat:.1f} df={df}"
+    m = engine.metrics()
+    assert m["vllm:spec_decode_num_drafts"] > 0 and m["vllm:spec_decode_num_accepted_tokens"] > 0
+    assert m["vllm:spec_decode_num_accepted_tokens"] < m["vllm:spec_decode_num_draft_tokens"]  # rejections too
+    _no_leaks(engine)
+    # Power: the same statistic rejects a wrong second-token law (uniform).
+    wrong = (p1[:, None] * torch.full((vocab, vocab), 1 / vocab)).flatten()
+    assert chi2_statistic(counts, wrong)[0] > chi2_critical(chi2_statistic(counts, wrong)[1])
+
+
+def test_seeded_speculative_sampling_is_reproducible():
+    prompts = _prompts()
+    model = tiny_model("llama", "hf_paged")
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.9, seed=5)
+    a = Engine(model, speculative_method="ngram").generate(prompts, params)
+    b = Engine(model, speculative_method="ngram").generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+# ---------------------------------------------------------------------------------------- drop-in generate
+def test_generate_with_assistant_or_prompt_lookup_for_a_batch():
+    from tiny_models import left_padded_batch
+
+    input_ids, attention_mask = left_padded_batch([5, 17, 33, 16], seed=1)
+    input_ids[2, -20:] = input_ids[2, -33:-13].clone()  # something for prompt lookup to find
+    stock = tiny_model("llama", "sdpa")
+    ref = stock.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=NEW)
+    model = tiny_model("llama", "hf_paged")
+    for kwargs in (dict(assistant_model=tiny_model("llama", "hf_paged", seed=2)), dict(prompt_lookup_num_tokens=3),
+                   dict(assistant_model=layer_skip_draft(model, 1), num_assistant_tokens=4)):
+        out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=NEW, **kwargs)
+        assert torch.equal(out, ref), kwargs

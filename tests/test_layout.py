@@ -1,0 +1,281 @@
+"""The package layout holds: torch-free bookkeeping, one dependency direction, no cycles, no private
+reach-ins across sub-packages, each shared limit defined once, and a docstring on every module.
+
+Everything but the first test reads the modules' source with `ast`, so imports inside functions
+count as much as those at the top.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hf_paged"
+
+# The serving stack, bottom to top: a sub-package may import only those before it (and itself).
+CHAIN = ["core", "attention", "hf", "worker", "spec_decode", "engine", "integrations"]
+# They stand apart: nothing of the chain imports them, and they import only the leaf `config`
+# (`defaults` uses the package only through transformers' public `attn_implementation` flag).
+APART = ["planner", "defaults"]
+LEAVES = {"config"}  # imports nothing of hf_paged; anyone may import it
+TOP = {"__init__", "cli"}  # the public front: may import anything, imported by nobody below
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name relative to hf_paged (`engine.engine`, `config`) -> path."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]  # a package is named by its folder; hf_paged itself is ""
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_package(path: Path) -> bool:
+    return path.name == "__init__.py"
+
+
+def _imports(name: str, path: Path, top_level_only: bool = False) -> list[tuple[str, list[str], int]]:
+    """(imported hf_paged module relative to the package, names taken from it, line) per import."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    parts = name.split(".") if name else []
+    here = parts if _is_package(path) else parts[:-1]  # the module's own package
+    found = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "hf_paged" or alias.name.startswith("hf_paged."):
+                    found.append((alias.name.removeprefix("hf_paged").lstrip("."), [], node.lineno))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else here
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and (node.module == "hf_paged" or node.module.startswith("hf_paged.")):
+                target = node.module.removeprefix("hf_paged").lstrip(".")
+            else:
+                continue
+            found.append((target, [a.name for a in node.names], node.lineno))
+    return found
+
+
+def _room(module: str) -> str:
+    """The sub-package (or top-level module) a dotted module name lives in; "" is hf_paged itself."""
+    return module.split(".")[0] if module else "__init__"
+
+
+def _all_edges(top_level_only: bool = False):
+    for name, path in _modules().items():
+        for target, names, line in _imports(name, path, top_level_only):
+            yield name, path, target, names, line
+
+
+def test_core_imports_with_torch_unavailable():
+    """`hf_paged.core` needs neither torch nor transformers. The parent package is stubbed so that its
+    `__init__` (which registers the attention with transformers) does not run; everything `core`
+    imports is then loaded for real, with torch and transformers unimportable."""
+    script = textwrap.dedent(f"""
+        import sys, types
+        for blocked in ("torch", "transformers", "numpy", "triton"):
+            sys.modules[blocked] = None  # `import torch` now raises ImportError
+        parent = types.ModuleType("hf_paged")
+        parent.__path__ = [{str(PACKAGE)!r}]
+        sys.modules["hf_paged"] = parent
+        import hf_paged.core as core
+        from hf_paged.core import BlockManager, BlockPool, Request, Scheduler
+
+        pool = BlockPool(8)
+        manager = BlockManager(pool, block_size=4)
+        scheduler = Scheduler(manager, max_num_seqs=2, max_num_batched_tokens=16)
+        seq = core.KVSequence(seq_id=1)
+        scheduler.add(Request(request_id="a", token_ids=list(range(10)), num_prompt_tokens=10,
+                              max_total_tokens=12, seq=seq))
+        out = scheduler.schedule()
+        assert [len(e.token_ids) for e in out.scheduled] == [10], out
+        pool.check_invariants()
+        loaded = sorted(m for m in sys.modules if m.startswith("hf_paged"))
+        assert not [m for m in ("torch", "transformers") if sys.modules.get(m) is not None]
+        print(" ".join(loaded))
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.split()
+    assert "hf_paged.core.scheduler" in loaded and "hf_paged.core.block_pool" in loaded
+    assert all(m == "hf_paged" or m.startswith(("hf_paged.core", "hf_paged.config")) for m in loaded), loaded
+
+
+def test_the_stub_really_blocks_torch():
+    """The check above can fail: with the same stub, a module that needs torch does not import."""
+    script = textwrap.dedent(f"""
+        import sys, types
+        sys.modules["torch"] = None
+        parent = types.ModuleType("hf_paged")
+        parent.__path__ = [{str(PACKAGE)!r}]
+        sys.modules["hf_paged"] = parent
+        import hf_paged.hf.padding
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr
+
+
+def _direction_violation(src: str, dst: str) -> str | None:
+    """Why an import from room `src` of room `dst` breaks the layout, or None if it is allowed."""
+    rank = {room: i for i, room in enumerate(CHAIN)}
+    if src in LEAVES and dst != src:
+        return "config must stay a leaf"
+    if src == dst or dst in LEAVES:
+        return None
+    if dst in TOP:
+        return None if src in TOP else "sub-packages never import the package front"
+    if src in TOP:
+        return None
+    if src in APART or dst in APART:
+        return f"{src} -> {dst}: planner and defaults stand apart"
+    if rank[dst] > rank[src]:
+        return f"{src} -> {dst} points up the chain {' <- '.join(CHAIN)}"
+    return None
+
+
+def test_one_dependency_direction():
+    bad = []
+    for name, path, target, _, line in _all_edges():
+        why = _direction_violation(_room(name), _room(target))
+        if why:
+            bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports hf_paged.{target or '(package)'} ({why})")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("src,dst", [("core", "attention"), ("engine", "integrations"), ("hf", "worker"),
+                                     ("planner", "engine"), ("engine", "defaults"), ("config", "core"),
+                                     ("worker", "__init__")])
+def test_the_direction_rule_rejects(src, dst):
+    assert _direction_violation(src, dst) is not None
+
+
+@pytest.mark.parametrize("src,dst", [("attention", "core"), ("integrations", "core"), ("planner", "config"),
+                                     ("__init__", "engine"), ("spec_decode", "worker")])
+def test_the_direction_rule_allows(src, dst):
+    assert _direction_violation(src, dst) is None
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycles_between_sub_packages():
+    graph: dict[str, set[str]] = {}
+    for name, _, target, _, _ in _all_edges():
+        src, dst = _room(name), _room(target)
+        if src != dst and src not in TOP:
+            graph.setdefault(src, set()).add(dst)
+    assert _find_cycle(graph) is None, f"sub-package import cycle: {_find_cycle(graph)}"
+
+
+def test_no_module_level_import_cycles():
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for target, names, _ in _imports(name, path, top_level_only=True):
+            # `from .pkg import mod` names a module; `from .mod import f` names the module itself.
+            deps = [f"{target}.{n}" if f"{target}.{n}" in modules else target for n in names] or [target]
+            graph.setdefault(name, set()).update(d for d in deps if d in modules and d != name)
+    # A package's __init__ importing its own modules is how packages work, not a cycle back up.
+    for name in list(graph):
+        graph[name] = {d for d in graph[name] if not name.startswith(d + ".") and d != ""}
+    assert _find_cycle(graph) is None, f"module import cycle: {_find_cycle(graph)}"
+
+
+def test_cycle_finder_finds_cycles():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+def test_no_private_names_imported_across_sub_packages():
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} takes {n} from hf_paged.{target}"
+           for name, path, target, names, line in _all_edges()
+           for n in names if n.startswith("_") and n != "__version__" and _room(name) != _room(target)]
+    assert not bad, "\n".join(bad)
+
+
+# Private attributes that belong to torch / transformers objects, read the way their own code does.
+FOREIGN_PRIVATES = {"_attn_implementation", "_version"}
+
+
+def test_no_private_attribute_reach_ins():
+    """`x._name` only on `self` / `cls`: another object's private state (`self.scheduler._preempt`,
+    `engine._requests`) needs a public operation instead."""
+    bad = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if node.attr not in FOREIGN_PRIVATES:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
+
+
+SHARED_LIMITS = ("DEFAULT_BLOCK_SIZE", "MAX_DECODE_QUERY_LEN", "MAX_SPECULATIVE_TOKENS")
+
+
+@pytest.mark.parametrize("limit", SHARED_LIMITS)
+def test_each_shared_limit_is_defined_once(limit):
+    defined = []
+    for name, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Name) and t.id == limit for t in targets):
+                defined.append(name)
+    assert defined == ["config"], defined
+
+
+def test_every_module_says_what_it_owns():
+    missing = [name or "hf_paged" for name, path in _modules().items()
+               if not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()]
+    assert not missing, missing
+
+
+def test_tests_mirror_the_sub_packages():
+    tests = Path(__file__).resolve().parent
+    rooms = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert rooms == sorted(CHAIN + APART)
+    missing = [room for room in rooms if not list((tests / room).glob("test_*.py"))]
+    assert not missing, f"no tests/<room>/test_*.py for {missing}"
+
+
+def test_every_internal_import_resolves():
+    """Lazy imports inside functions only fail when called: check each one names a real module."""
+    modules = _modules()
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports hf_paged.{target}"
+           for _, path, target, _, line in _all_edges() if target and target not in modules]
+    assert not bad, "\n".join(bad)
