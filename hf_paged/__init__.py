@@ -17,8 +17,8 @@ from .attention import ATTN_IMPLEMENTATION, paged_attention_forward
 from .attention import register as _register_attention
 from .config import PagedCacheConfig
 from .core import NoFreeBlocksError
-from .engine import Engine, RequestOutput, StreamEvent
-from .hf import PagedCache, attach, detach
+from .engine import AsyncEngine, Engine, RequestHandle, RequestOutput, StreamEvent
+from .hf import PagedCache, attach, detach, invalidate
 from .spec_decode import layer_skip_draft
 from .worker import SamplingParams
 
@@ -38,7 +38,9 @@ register()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "AsyncEngine",
     "Engine",
+    "RequestHandle",
     "RequestOutput",
     "SamplingParams",
     "StreamEvent",
@@ -47,6 +49,7 @@ __all__ = [
     "PagedCacheConfig",
     "attach",
     "detach",
+    "invalidate",
     "layer_skip_draft",
     "paged_attention_forward",
     "register",

@@ -225,8 +225,10 @@ def test_no_private_names_imported_across_sub_packages():
     assert not bad, "\n".join(bad)
 
 
-# Private attributes that belong to torch / transformers objects, read the way their own code does.
-FOREIGN_PRIVATES = {"_attn_implementation", "_version"}
+# Private attributes that belong to torch / transformers objects, read the way their own code does
+# (`_prepare_generation_config`: transformers' own merge of generation configs, used by the
+# version-guarded integrations so that drop-in generate sees exactly what stock sees).
+FOREIGN_PRIVATES = {"_attn_implementation", "_version", "_prepare_generation_config"}
 
 
 def test_no_private_attribute_reach_ins():

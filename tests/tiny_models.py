@@ -7,6 +7,8 @@ import inspect
 import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.llama import LlamaModel
+from transformers.models.deepseek_v2 import DeepseekV2Config
+from transformers.models.deepseek_v3 import DeepseekV3Config
 from transformers.models.gemma2 import Gemma2Config
 from transformers.models.gemma3 import Gemma3TextConfig
 from transformers.models.gpt_oss import GptOssConfig
@@ -75,3 +77,39 @@ def left_padded_batch(lengths: list[int], seed: int = 0):
         input_ids[row, width - n:] = torch.randint(3, VOCAB, (n,), generator=g)
         attention_mask[row, width - n:] = 1
     return input_ids, attention_mask
+
+
+# Multi-head latent attention (DeepSeek-V2/V3). Kept out of CONFIGS: their attention expands the
+# cached latents inside the module, so the paged kernels and the Engine cannot serve them (see
+# hf_paged.hf.support.has_latent_kv), and CONFIGS is what the all-architecture paged tests run.
+# The cache holds a 16-wide latent as K and an 8-wide rotary key as V (one head each); the
+# expanded per-head K is 8 + 8 wide and V 12. One dense layer, then one small MoE layer.
+_MLA_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1,
+                   n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=512,
+                   pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+MLA_CONFIGS = {
+    "deepseek_v2": lambda: DeepseekV2Config(**_MLA_COMMON, q_lora_rank=None),
+    "deepseek_v3": lambda: DeepseekV3Config(**_MLA_COMMON, q_lora_rank=24, n_group=2, topk_group=1),
+}
+
+
+def tiny_mla_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(MLA_CONFIGS[arch](), attn_implementation=attn_implementation,
+                                             dtype=dtype)
+    return model.eval()
+
+
+class CharTokenizer:
+    """Token t decodes to one letter: enough to test stop strings and streamed text without a vocabulary."""
+
+    eos_token_id = 2
+
+    def __call__(self, text):
+        return {"input_ids": [3 + (ord(c) - 97) % 26 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + (t - 3) % 26) for t in ids)

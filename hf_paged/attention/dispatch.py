@@ -44,6 +44,23 @@ def _has_triton() -> bool:
     return True
 
 
+def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> None:
+    """Raise ValueError, before any forward, when paged attention on `device` cannot read a `kv_dtype`
+    K/V cache under `dtype` queries. The torch backend reads any float cache (it casts K/V to the
+    query's dtype); the Triton kernels read the query's own dtype, or fp16/bf16 under fp32 queries."""
+    if backend(device) != "triton":
+        return
+    from .triton.checks import can_read_kv_dtype
+
+    if not can_read_kv_dtype(dtype, kv_dtype):
+        name = str(kv_dtype).removeprefix("torch.")
+        raise ValueError(
+            f"kv_cache_dtype={name!r} under a {dtype} model: the Triton attention kernels read a KV cache of the "
+            "model's dtype, or a float16/bfloat16 cache under a float32 model; use kv_cache_dtype='auto', or "
+            "HF_PAGED_BACKEND=torch"
+        )
+
+
 def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
     """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`."""
     if backend(key.device) == "triton":

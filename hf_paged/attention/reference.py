@@ -87,7 +87,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
                     max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
     """The kernels' contract (arguments and shapes as in `torch_paged.paged_attention`), one
     sequence at a time: gather its `seq_len` K/V rows through its block table, then
-    `causal_attention` in float64; the result is cast to the query's dtype."""
+    `causal_attention` in float64; the result is cast to the query's dtype and has the value
+    cache's head width (which may differ from the key's)."""
     del max_seqlen_q, max_seqlen_k  # bounds for the kernels' grids; the oracle reads exact lengths
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()

@@ -18,20 +18,24 @@ from ..config import MAX_DECODE_QUERY_LEN
 
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim_v]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
 ) -> None:
-    """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1."""
+    """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1.
+
+    K and V may have different head widths (`head_dim_v != head_dim`, e.g. the latent and rotary
+    parts that DeepSeek's multi-head latent attention caches); each cache keeps its own. Rows are
+    cast to each cache's dtype."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
-    num_kv_heads, head_dim = key_cache.shape[2:]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for rows, cache in ((key, key_cache), (value, value_cache)):
+        # view, not flatten: a cache whose slots cannot be viewed flat must fail, not fill a copy
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
 
 
 def slots_of(
@@ -48,12 +52,13 @@ def slots_of(
 
 def gather_dense(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     step,  # the forward's `StepMetadata` (DENSE mode)
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [batch, num_kv_heads, num_columns, head_dim]
-    """K/V in transformers' padded column order for sdpa/eager, zeros at padding columns. The
-    gather index is built once per step (on `step.dense_index`) and shared by every layer."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, num_kv_heads, num_columns, head_dim], same with head_dim_v
+    """K/V in transformers' padded column order for sdpa/eager, zeros at padding columns, each at
+    its own head width. The gather index is built once per step (on `step.dense_index`) and shared
+    by every layer."""
     device = key_cache.device
     if step.dense_index is None or step.dense_index[0].device != device:
         columns = torch.arange(step.num_columns, device=device)
@@ -150,7 +155,8 @@ class _Group:
 
     def gather(self, cache: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None,
                length: int | None = None) -> torch.Tensor:
-        """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V, gathered block by block."""
+        """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V (D: that cache's own
+        head width), gathered block by block."""
         num_kv_heads, head_dim = cache.shape[2:]
         if buffer is None:
             blocks = cache.index_select(0, self.blocks)
@@ -204,7 +210,7 @@ class AttentionPlan:
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
@@ -215,8 +221,11 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
     plan: AttentionPlan | None = None,
-) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's new queries over its cached prefix plus themselves.
+
+    V may be narrower or wider than Q/K (`head_dim_v`, as in multi-head latent attention); the
+    output has V's width. K/V are read in any float dtype and cast to the query's.
 
     Query `i` of sequence `b` sits at position `seq_lens[b] - q_len[b] + i`. It sees key positions
     `p <= pos` and, with a sliding window `w`, only `p > pos - w` (the transformers convention).
@@ -239,12 +248,12 @@ def paged_attention(
     for group in plan.groups:
         buffers = [None, None]
         if workspace is not None:
-            shape = (len(group.blocks), *key_cache.shape[1:])
-            buffers = [workspace.get(name, shape, key_cache.dtype, key_cache.device) for name in ("k", "v")]
+            buffers = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), cache.dtype, cache.device)
+                       for name, cache in (("k", key_cache), ("v", value_cache))]
         is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
         length = group.num_kv if is_causal_sdpa else None
         k = group.gather(key_cache, query.dtype, buffers[0], length)  # [Sg, Hkv, Kmax (or q_len), D]
-        v = group.gather(value_cache, query.dtype, buffers[1], length)
+        v = group.gather(value_cache, query.dtype, buffers[1], length)  # [Sg, Hkv, Kmax (or q_len), Dv]
         if group.token_slice is not None:
             q = query[group.token_slice][None]  # [1, q_len, Hq, D]
         elif group.is_single_query:
@@ -254,7 +263,7 @@ def paged_attention(
             q[group.seq_ids, group.q_idx] = query[group.token_index]
         if softcap is not None or sinks is not None:
             o = _attention_math(q.transpose(1, 2), k, v, group.mask(sliding_window), scale, softcap, sinks)
-            o = o.transpose(1, 2)  # [Sg, Qmax, Hq, D]
+            o = o.transpose(1, 2)  # [Sg, Qmax, Hq, Dv]
         elif is_causal_sdpa:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=group.max_seqlen_q > 1, scale=scale,
                                                enable_gqa=group_size > 1).transpose(1, 2)
@@ -273,10 +282,10 @@ def paged_attention(
 def _grouped_query_attention(
     q: torch.Tensor,  # [S, Qmax, Hq, D]
     k: torch.Tensor,  # [S, Hkv, K, D]
-    v: torch.Tensor,  # [S, Hkv, K, D]
+    v: torch.Tensor,  # [S, Hkv, K, Dv]
     allowed: torch.Tensor | None,  # [S, Qmax, K] bool, True = attend; None = attend to all
     scale: float,
-) -> torch.Tensor:  # [S, Qmax, Hq, D]
+) -> torch.Tensor:  # [S, Qmax, Hq, Dv]
     """Attention with the query heads of each KV head folded into the query rows, so K/V are never
     repeated per query head: [S, Hkv, group * Qmax, D] queries against [S, Hkv, K, D] keys."""
     num_seqs, max_q, num_q_heads, head_dim = q.shape

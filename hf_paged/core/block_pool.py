@@ -220,11 +220,15 @@ class AppendResult:
             block came from the prefix cache and already holds that token's K/V (nothing to write).
         copies: `(src_block, dst_block)` pairs to copy, in order, before any write (copy-on-write).
         num_cached_tokens: how many of the appended tokens were prefix-cache hits.
+        new_full_blocks: `(block_id, block_hash)` of the blocks this call filled. With
+            `register=False` they are not in the prefix cache yet: `commit_full_blocks` publishes
+            them once the forward has written their K/V.
     """
 
     slots: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_cached_tokens: int = 0
+    new_full_blocks: list[tuple[int, int]] = field(default_factory=list)
 
 
 class BlockManager:
@@ -266,9 +270,15 @@ class BlockManager:
             n += bs
         return n
 
-    def append_tokens(self, seq: KVSequence, token_ids: SequenceABC[int]) -> AppendResult:
+    def append_tokens(self, seq: KVSequence, token_ids: SequenceABC[int], register: bool = True) -> AppendResult:
         """Give `token_ids` slots at the end of `seq`, reusing cached full blocks where the hash
-        chain matches. Raises `NoFreeBlocksError` before changing anything if the pool is short."""
+        chain matches. Raises `NoFreeBlocksError` before changing anything if the pool is short.
+
+        Args:
+            register: publish the blocks this call fills in the prefix cache at once. A caller whose
+                forward may still fail passes False and calls `commit_full_blocks` after it (a block
+                is never findable before its K/V exist).
+        """
         needed = self.num_blocks_needed(seq, len(token_ids))
         if not self.pool.can_allocate(needed):
             raise NoFreeBlocksError(
@@ -317,8 +327,17 @@ class BlockManager:
             if caching and seq.num_tokens % bs == 0:
                 block_hash = hash_block_tokens(seq.last_block_hash, seq.token_ids[-bs:], seq.extra_key)
                 seq.block_hashes.append(block_hash)
-                pool.register_full_block(block_id, block_hash)
+                result.new_full_blocks.append((block_id, block_hash))
+                if register:
+                    pool.register_full_block(block_id, block_hash)
         return result
+
+    def commit_full_blocks(self, full_blocks: Iterable[tuple[int, int]]) -> None:
+        """Publish blocks filled by `append_tokens(..., register=False)` now that their K/V are written.
+        A block released in between (its sequence finished or was truncated) is skipped."""
+        for block_id, block_hash in full_blocks:
+            if self.pool.ref_count(block_id) > 0 and self.pool.block_hash[block_id] is None:
+                self.pool.register_full_block(block_id, block_hash)
 
     def fork(self, seq: KVSequence, seq_id: int) -> KVSequence:
         """A new sequence sharing every block of `seq` (copy-on-write on the next write)."""

@@ -105,6 +105,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Blocks this step fills, published in the prefix cache only once its forward wrote their K/V
+    # (`BlockManager.commit_full_blocks`): a failed step leaves nothing findable behind.
+    new_full_blocks: list[tuple[int, int]] = field(default_factory=list)
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
 
@@ -227,16 +230,18 @@ class Scheduler:
             blocks = self.manager.num_blocks_needed(request.seq, num_cached + num_new)
             if not self.manager.pool.can_allocate(blocks):
                 break  # FIFO: nobody overtakes the head of the queue
-            self.waiting.popleft()
             out.num_prefix_query_tokens += len(prompt)
             if num_cached:
-                hit = self.manager.append_tokens(request.seq, cacheable[:num_cached])
+                hit = self.manager.append_tokens(request.seq, cacheable[:num_cached], register=False)
                 out.copies.extend(hit.copies)
                 num_cached = hit.num_cached_tokens  # == num_cached: the lookup and the take are one step
                 request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             out.num_prefix_hit_tokens += num_cached
+            # Leave the queue only together with joining `running`: an exception anywhere in this step
+            # finds every request in one of the two (see `recover`).
             request.status = RequestStatus.RUNNING
+            self.waiting.popleft()
             self.running.append(request)
             self._schedule_chunk(request, num_new, out)
             scheduled_ids.add(request.request_id)
@@ -267,14 +272,30 @@ class Scheduler:
         if out is not None:
             out.preempted.append(request)
 
+    def recover(self) -> list[Request]:
+        """Undo a `schedule` that raised part-way: every running request is preempted (its blocks
+        freed, back to the head of the queue) and any waiting request's partly filled sequence is
+        cleared. Nothing of the failed step was published in the prefix cache. Returns the requests
+        that were running."""
+        was_running = list(self.running)
+        for request in reversed(was_running):  # newest first, so the oldest ends up at the head
+            self.preempt(request)
+        for request in self.waiting:
+            if request.seq.block_table or request.seq.token_ids:
+                self.manager.free(request.seq)
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+        return was_running
+
     # ------------------------------------------------------------------ internals
     def _schedule_chunk(self, request: Request, num_new: int, out: SchedulerOutput,
                         drafts: list[int] | None = None) -> None:
         drafts = list(drafts or [])
         start = request.num_computed_tokens
         tokens = request.token_ids[start : start + num_new - len(drafts)] + drafts
-        result = self.manager.append_tokens(request.seq, tokens)
+        result = self.manager.append_tokens(request.seq, tokens, register=False)
         out.copies.extend(result.copies)
+        out.new_full_blocks.extend(result.new_full_blocks)
         request.num_computed_tokens += num_new
         out.scheduled.append(ScheduledRequest(
             request=request, start=start, token_ids=tokens, slots=result.slots,

@@ -171,14 +171,21 @@ def load_default(
     ).eval()
     if device is not None:
         model.to(device)
-    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left", local_files_only=True)
+    tokenizer = load_default_tokenizer()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
+
+
+def load_default_tokenizer() -> PreTrainedTokenizerBase:
+    """The default model's tokenizer alone (well under a second), padding on the left, with the pad
+    token `load_default` uses (see there)."""
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_checkpoint(), padding_side="left", local_files_only=True)
     if tokenizer.pad_token is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
         if PAD_TOKEN in tokenizer.get_vocab() and PAD_TOKEN != tokenizer.eos_token:
             tokenizer.pad_token = PAD_TOKEN
         elif tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model, tokenizer
+    return tokenizer
 
 
 def _write_checkpoint(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:

@@ -1,6 +1,9 @@
 """The serving engine: continuous batching over a transformers model with a paged KV cache.
 
-* `engine.py`: `Engine`, the step loop (schedule, forward, sample, commit), streaming and abort.
+* `engine.py`: `Engine`, the step loop (schedule, forward, sample, commit), streaming, abort, and the
+  thread-safe front (`start` / `submit` / `stop`). `async_engine.py`: `AsyncEngine` for asyncio.
+* `delivery.py`: each owner's inbox of outputs, and `RequestHandle`. `detokenizer.py`: incremental
+  text and stop strings.
 * `inputs.py`: prompts and sampling parameters, checked before anything is queued.
 * `kv_budget.py`: the default KV pool size. `outputs.py`: `RequestOutput`, `StreamEvent` and text.
 * `metrics.py`: per-request and engine-wide metrics with vLLM's names.
@@ -9,8 +12,10 @@ Drives `core` (scheduler), `worker` (forward, sampling) and `spec_decode` (draft
 transformers-facing glue that calls it lives in `integrations`.
 """
 
+from .async_engine import AsyncEngine
+from .delivery import RequestHandle
 from .engine import Engine
 from .metrics import EngineMetrics, RequestMetrics
 from .outputs import RequestOutput, StreamEvent
 
-__all__ = ["Engine", "EngineMetrics", "RequestMetrics", "RequestOutput", "StreamEvent"]
+__all__ = ["AsyncEngine", "Engine", "EngineMetrics", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]

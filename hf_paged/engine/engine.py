@@ -25,7 +25,9 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator, Sequence as SequenceABC
 
 import torch
@@ -33,29 +35,46 @@ import torch
 from ..attention import ATTN_IMPLEMENTATION
 from ..config import PagedCacheConfig
 from ..core import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
-from ..hf import PagedCache, check_model_supported, weights_fingerprint
-from ..spec_decode import ProposalRequest, make_proposer, rejection_sample, target_distributions, verify_greedy
+from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerprint
+from ..hf.support import check_paged_attention_supported
+from ..spec_decode import ProposalRequest, make_proposer, target_tokens, verify_greedy
 from ..worker import Chunk, ModelRunner
-from ..worker.sampling import SamplingParams, SamplingState, make_generator, needs_processing, sample
+from ..worker.sampling import SamplingParams, SamplingState, draw_seed, needs_processing, sample
+from .delivery import Inbox, RequestHandle, drain
+from .detokenizer import IncrementalDetokenizer
 from .inputs import as_params_list, as_prompt_list, as_token_id_list, model_eos_token_ids, prompt_token_ids
 from .kv_budget import default_num_blocks
 from .metrics import EngineMetrics, RequestMetrics
-from .outputs import RequestOutput, StreamEvent, StreamText, decode_output, stop_string_cut
+from .outputs import RequestOutput, StreamEvent
 
 logger = logging.getLogger(__name__)
 
+# A request whose steps raise this many times ends with finish_reason="error" (a transient failure
+# is retried: the step is undone and the request recomputed); so does every unfinished request when
+# this many steps in a row fail before any request could be blamed (scheduling).
+MAX_STEP_FAILURES = 3
+
+
+class RequestError(ValueError):
+    """A failure that belongs to one request and will not go away on a retry (NaN logits)."""
+
 
 class _Tracked:
-    """Engine-side state of one request: the scheduler's view plus sampling and output."""
+    """Engine-side state of one request: the scheduler's view plus sampling, text and its owner."""
 
-    def __init__(self, request: Request, params: SamplingParams, generator, metrics: RequestMetrics):
+    def __init__(self, request: Request, params: SamplingParams, seed: int, metrics: RequestMetrics,
+                 detok: IncrementalDetokenizer | None, inbox: Inbox | None, index: int):
         self.request = request
         self.params = params
-        self.generator = generator
+        self.seed = seed
         self.metrics = metrics
+        self.detok = detok  # streamed text and stop strings; None: text decoded once at the end
+        self.inbox = inbox  # the owner's (generate / stream / submit); None for add_request
+        self.index = index  # position in the owner's prompts
         self.finish_reason: str | None = None
         self.text: str | None = None
-        self.draft_probs: torch.Tensor | None = None  # [k, vocab] q of this step's drafts (None: one-hot)
+        self.error: Exception | None = None
+        self.num_failures = 0
 
     @property
     def output_ids(self) -> list[int]:
@@ -109,6 +128,7 @@ class Engine:
         eos_token_ids: int | SequenceABC[int] | None = None,
     ):
         check_model_supported(model.config)
+        check_paged_attention_supported(model.config)  # packed steps need attention over the blocks
         Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -138,18 +158,24 @@ class Engine:
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
             lookup_min=prompt_lookup_min, lookup_max=prompt_lookup_max, target_num_blocks=self.cache.pool.num_blocks,
             max_num_seqs=max_num_seqs, block_size=self.cache.block_size)
-        self._requests: dict[str, _Tracked] = {}
-        # Finished outputs kept for `generate`/`stream` calls that own the request (another caller's
-        # step() may be the one that finishes it); requests added with add_request are not kept.
-        self._watched: set[str] = set()
-        self._finished_outputs: dict[str, RequestOutput] = {}
+        self._requests: dict[str, _Tracked] = {}  # live requests, registered before they are queued
         self._ids = itertools.count()
         self._metrics = EngineMetrics()
+        self._updates: list[RequestOutput] = []  # what the step in progress produced
+        self._consecutive_failed_steps = 0
+        # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
+        # under a running forward. Other threads hand work to a running loop through `_inbox`.
+        self._lock = threading.RLock()
+        self._registry_lock = threading.Lock()  # `_requests` alone: submitters never wait for a step
+        self._inbox: deque[tuple] = deque()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stop_mode: str | None = None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | SequenceABC[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue one request and return its id.
+        """Queue one request and return its id. Its outputs come back from `step()`.
 
         Args:
             prompt: a string (needs a tokenizer) or a list of token ids.
@@ -159,18 +185,35 @@ class Engine:
         Raises:
             ValueError/TypeError: naming what is wrong with this request; nothing is queued.
         """
+        return self.add_owned_request(prompt, sampling_params, request_id, inbox=None, index=0)
+
+    def submit(self, prompt: str | SequenceABC[int], sampling_params: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestHandle:
+        """Queue one request from any thread; returns a `RequestHandle` to wait for its result
+        (`.result(timeout)`) or iterate over its `StreamEvent`s. With `start()`ed engines the
+        background loop runs it; otherwise the handle runs steps when asked for its result.
+
+        Raises:
+            ValueError/TypeError: naming what is wrong with this request; nothing is queued.
+        """
+        inbox = Inbox(wants_tokens=True)
+        return RequestHandle(self, self.add_owned_request(prompt, sampling_params, request_id, inbox, 0, streamed=True), inbox)
+
+    def add_owned_request(self, prompt, sampling_params: SamplingParams | None, request_id: str | None,
+                          inbox: Inbox | None, index: int = 0, streamed: bool = False) -> str:
+        """`add_request` for a front that collects outputs itself (`generate`, `stream`, handles,
+        `AsyncEngine`): every token (and the end) of the request is put in `inbox`, whoever steps.
+
+        Args:
+            index: the request's position among its owner's prompts (`StreamEvent.index`).
+            streamed: text arrives incrementally (a detokenizer runs per token).
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self._requests:
-                request_id = f"req-{next(self._ids)}"
-        elif request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         if len(prompt_ids) >= self.max_model_len:
             raise ValueError(
@@ -178,89 +221,313 @@ class Engine:
                 f"max_model_len={self.max_model_len}"
             )
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
-        request = Request(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
-                          max_total_tokens=max_total, seq=self.cache.new_sequence())
-        self.scheduler.add(request)  # raises if it can never fit the pool
-        metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
-        self._requests[request_id] = _Tracked(request, params, make_generator(params.seed, self.device), metrics)
+        if not self.scheduler.can_ever_fit(max_total):
+            raise ValueError(
+                f"request may grow to {max_total} tokens, which needs {self.scheduler.max_blocks_for(max_total)} "
+                f"KV blocks of {self.cache.block_size}, but the pool has only {self.cache.pool.num_blocks}; "
+                "shorten the prompt or max_new_tokens, or enlarge the pool"
+            )
+        detok = None
+        if self.tokenizer is not None and (streamed or params.stop_strings):
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                           stop_strings=params.stop_strings)
+        with self._registry_lock:  # ids are unique among live requests, whichever thread adds them
+            if request_id is None:
+                request_id = f"req-{next(self._ids)}"
+                while request_id in self._requests:
+                    request_id = f"req-{next(self._ids)}"
+            elif request_id in self._requests:
+                raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+            request = Request(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
+                              max_total_tokens=max_total, seq=self.cache.new_sequence())
+            metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
+            tracked = _Tracked(request, params, draw_seed(params.seed), metrics, detok, inbox, index)
+            self._requests[request_id] = tracked  # registered first: a step never meets an unknown id
+        self._post(("add", tracked))
         return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its output so far (None if unknown)."""
-        tracked = self._requests.get(request_id)
-        if tracked is None:
-            return None
-        self._finish(tracked, "abort")
-        return self._output(tracked)
+        """Stop a request and free its blocks; returns its output so far (None if unknown).
+
+        Safe from any thread: it takes effect between steps, never under a running forward."""
+        box: list = []
+        self._post(("abort", request_id, box))
+        return box[0] if box else None
+
+    def _post(self, command: tuple) -> None:
+        """Apply `command` now if no step is running, else hand it to the running loop."""
+        if self.is_running() and threading.current_thread() is not self._thread:
+            done = threading.Event()
+            self._inbox.append((*command, done))
+            self._wakeup.set()
+            if command[0] == "abort":
+                done.wait()  # the loop applies it before its next step
+            return
+        with self._lock:
+            self._apply_inbox()
+            self._apply(command)
+
+    def _apply_inbox(self) -> None:
+        while self._inbox:
+            *command, done = self._inbox.popleft()
+            try:
+                self._apply(tuple(command))
+            finally:
+                done.set()
+
+    def _apply(self, command: tuple) -> None:
+        if command[0] == "add":
+            self.scheduler.add(command[1].request)
+        elif command[0] == "abort":
+            tracked = self._requests.get(command[1])
+            if tracked is not None:
+                self._finish(tracked, "abort", report=False)  # the caller gets it, not step()
+                command[2].append(self._output(tracked))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._inbox)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, as after a weight change the automatic detection cannot see
+        (see `hf_paged.hf.weights`; `hf_paged.invalidate(model)` does the same for every cache of the
+        model). Running requests keep their blocks but never share them again."""
+        with self._lock:
+            invalidate(self.model)
+            self.cache.pool.reset_prefix_cache()
+            self._note_weights()
+
+    def _note_weights(self) -> None:
+        """Check the weights before admitting: if they changed, the prefix cache is dropped and a new
+        epoch begins; waiting requests that store nothing yet are salted with it (so they share the
+        blocks they compute under the new weights with each other, and nothing older)."""
+        self.cache.note_weights(weights_fingerprint(self.model))
+        salt = self.cache.sequence_salt()
+        for request in self.scheduler.waiting:
+            if request.seq.num_tokens == 0:
+                request.seq.extra_key = salt
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
-        """Run one iteration. Returns the requests that produced a token or finished in it."""
-        self.cache.note_weights(weights_fingerprint(self.model))
-        if self.proposer is not None:
-            self._propose()
-        sched = self.scheduler.schedule()
-        self._metrics.peak_kv_blocks = max(self._metrics.peak_kv_blocks, self.cache.pool.num_used_blocks)
-        for request in sched.preempted:
-            self._requests[request.request_id].metrics.num_preemptions += 1
+        """Run one iteration. Returns the requests that produced a token or finished in it.
+
+        A step either commits or leaves no trace. If it fails before its forward wrote the K/V, its
+        requests go back to waiting (counted as preemptions), the exception propagates, and the next
+        `step()` carries on (recomputing them). If one request fails after the forward, that request
+        alone is rolled back and retried. A request failing `MAX_STEP_FAILURES` times, or one with NaN
+        logits, ends with finish_reason "error" and its `.error`. `generate`, `stream`, handles and
+        the background loop log step failures and keep going."""
+        with self._lock:
+            self._apply_inbox()
+            failure = self._step()
+            self._update_gauges()
+            if failure is not None:
+                raise failure  # what the step produced before failing comes with the next step
+            updates, self._updates = self._updates, []
+            return updates
+
+    def advance(self) -> None:
+        """`step()` for callers that only need progress (the fronts, the loop): a failed step is
+        already undone and logged, and the requests it concerned retry or end with an error."""
+        try:
+            self.step()
+        except Exception:
+            pass
+
+    def _step(self) -> Exception | None:
+        """One step; returns the exception that undid it, if any."""
+        try:
+            if self.scheduler.waiting:  # prefix-cache lookups happen only when admitting
+                self._note_weights()
             if self.proposer is not None:
-                self.proposer.free(request.request_id)
-        self._metrics.num_preemptions += len(sched.preempted)
-        if sched.is_empty:
-            if self.scheduler.has_unfinished:
-                raise RuntimeError(
-                    "the scheduler could not schedule anything although requests are waiting; this is a bug "
-                    f"(free blocks {self.cache.pool.num_free_blocks}/{self.cache.pool.num_blocks})"
-                )
-            return []
-        now = time.perf_counter()
-        self._note_admissions(sched, now)
+                self._propose()
+            sched = self.scheduler.schedule()
+            self._metrics.peak_kv_blocks = max(self._metrics.peak_kv_blocks, self.cache.pool.num_used_blocks)
+            for request in sched.preempted:
+                self._note_preempted(self._requests[request.request_id])
+            if sched.is_empty:
+                if self.scheduler.has_unfinished:
+                    raise RuntimeError(
+                        "the scheduler could not schedule anything although requests are waiting "
+                        f"(free blocks {self.cache.pool.num_free_blocks}/{self.cache.pool.num_blocks})"
+                    )
+                return None
+            self._note_admissions(sched, time.perf_counter())
+        except Exception as exc:  # scheduling or the bookkeeping around it
+            self._on_failed_schedule(exc)
+            return exc
         try:
             logits = self._forward(sched)
-        except BaseException:
-            self.cache.abandon_step()
-            for entry in sched.scheduled:  # their new blocks hold no K/V: recompute them later
-                if entry.request.status == RequestStatus.RUNNING:
-                    self.scheduler.preempt(entry.request)
-            raise
-        # Logit rows: one per sampling request, k + 1 per request verifying k drafts.
-        plain: list[tuple[ScheduledRequest, int]] = []
-        speculative: list[tuple[ScheduledRequest, torch.Tensor]] = []
-        row = 0
-        for entry in sched.scheduled:
-            if not entry.samples:
-                continue
-            n = 1 + len(entry.draft_token_ids)
-            if entry.draft_token_ids:
-                speculative.append((entry, logits[row : row + n]))
-            else:
-                plain.append((entry, row))
-            row += n
-        states = [self._sampling_state(self._requests[e.request.request_id]) for e, _ in plain]
-        tokens = sample(logits[[r for _, r in plain]], states) if plain else []
-        now = time.perf_counter()
-        updated = []
-        for (entry, _), token in zip(plain, tokens):
-            tracked = self._requests[entry.request.request_id]
-            self._append_token(tracked, token, now)
-            updated.append(self._output(tracked))
-        for entry, rows in speculative:
-            tracked = self._requests[entry.request.request_id]
-            self._commit_verified(tracked, entry, rows, now)
-            updated.append(self._output(tracked))
-        self._update_gauges(sched)
-        return updated
+        except Exception as exc:
+            self._requeue([e.request for e in sched.scheduled], exc, "forward")
+            return exc
+        self._consecutive_failed_steps = 0
+        self._commit(sched, logits)
+        return None
 
     def _forward(self, sched: SchedulerOutput) -> torch.Tensor:  # [num logit rows, vocab]
         chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.slots,
                         (1 + len(e.draft_token_ids)) if e.samples else 0) for e in sched.scheduled]
-        logits = self.runner.forward(chunks, sched.copies)
+        logits = self.runner.forward(chunks, sched.copies, sched.new_full_blocks)
         self._metrics.num_steps += 1
         self._metrics.iteration_tokens.append(sum(len(e.token_ids) for e in sched.scheduled))
         return logits
+
+    def _commit(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Turn each sampling request's logits rows into tokens and commit them, one request at a time:
+        a request that fails here is rolled back alone."""
+        entries, rows, row = [], [], 0
+        for entry in sched.scheduled:
+            if entry.samples:
+                n = 1 + len(entry.draft_token_ids)
+                entries.append(entry)
+                rows.append((row, n))
+                row += n
+        if not entries:
+            return
+        has_nan = torch.isnan(logits).any(dim=-1).tolist()  # one host sync for every row of the step
+        plain = [i for i, e in enumerate(entries) if not e.draft_token_ids and not has_nan[rows[i][0]]]
+        tokens: dict[int, list[int]] = {}
+        try:  # the common case in one call: a token per plain request
+            states = [self._sampling_state(self._requests[entries[i].request.request_id]) for i in plain]
+            sampled = sample(logits[[rows[i][0] for i in plain]], states) if plain else []
+            tokens = {i: [t] for i, t in zip(plain, sampled)}
+        except Exception:
+            logger.warning("hf_paged: batched sampling failed; sampling each request alone", exc_info=True)
+            self._metrics.num_failed_steps += 1
+        now = time.perf_counter()
+        for i, entry in enumerate(entries):
+            tracked = self._requests[entry.request.request_id]
+            start, n = rows[i]
+            try:
+                if any(has_nan[start:start + n]):
+                    raise RequestError(f"the model produced NaN logits for request {tracked.request.request_id!r}")
+                committed = tokens.get(i) or self._next_tokens(tracked, entry, logits[start:start + n])
+                self._commit_tokens(tracked, entry, committed, now)
+            except Exception as exc:
+                self._roll_back(tracked, entry, exc)
+
+    def _next_tokens(self, tracked: _Tracked, entry: ScheduledRequest, rows: torch.Tensor) -> list[int]:
+        """The tokens `entry` commits: one sample, or its verified drafts plus one."""
+        state = self._sampling_state(tracked)
+        drafts = entry.draft_token_ids
+        if not drafts:
+            return sample(rows, [state])
+        if state.params.is_greedy and not needs_processing(state):
+            committed = verify_greedy(rows.argmax(dim=-1).tolist(), drafts)
+        else:
+            committed = verify_greedy(target_tokens(rows[:, : self.vocab_size], state, drafts), drafts)
+        self._metrics.on_verification(len(drafts), len(committed) - 1)
+        return committed
+
+    def _commit_tokens(self, tracked: _Tracked, entry: ScheduledRequest, tokens: list[int], now: float) -> None:
+        """Append `tokens` (cut at the first that ends the request), then roll the cache back past
+        the rejected drafts. Everything that may raise (text, stop strings) runs before any change."""
+        request, params = tracked.request, tracked.params
+        num_out = request.num_output_tokens
+        kept, reason = [], None
+        for token in tokens:
+            kept.append(token)
+            reason = self._end_reason(params, num_out + len(kept), len(request.token_ids) + len(kept), token)
+            if reason is not None:
+                break
+        deltas = []
+        if tracked.detok is not None:
+            for j, token in enumerate(kept):
+                deltas.append(tracked.detok.add(token))
+                if tracked.detok.stop_hit is not None:
+                    kept, reason = kept[: j + 1], "stop"
+                    break
+            if reason is not None:
+                deltas[-1] += tracked.detok.finish()
+        # Committed from here on: nothing below raises for a well-formed request.
+        events = [StreamEvent(request.request_id, tracked.index, token, delta, None)
+                  for token, delta in zip(kept, deltas or [None] * len(kept))]
+        for event in events:
+            request.token_ids.append(event.token_id)
+            tracked.metrics.on_token(now)
+            self._metrics.generation_tokens += 1
+        if tracked.inbox is not None:
+            for event in events[:-1] if reason is not None else events:
+                tracked.inbox.put(event, None)
+        if reason is not None:
+            self._finish(tracked, reason, last_event=events[-1])
+            return
+        rejected = len(entry.draft_token_ids) - (len(tokens) - 1)
+        self.scheduler.rollback(request, rejected)
+        self._updates.append(self._output(tracked))
+
+    def _end_reason(self, params: SamplingParams, num_out: int, total: int, token: int) -> str | None:
+        if num_out >= params.min_new_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if num_out >= params.max_new_tokens or total >= self.max_model_len:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ failures
+    def _roll_back(self, tracked: _Tracked, entry: ScheduledRequest, exc: Exception) -> None:
+        """Undo one request's share of a step whose forward succeeded: forget the tokens it computed
+        in this step (its K/V stay valid for whoever shares them), rebuild its text state, and retry
+        it, unless the failure is its own for good."""
+        self._metrics.num_failed_steps += 1
+        request = tracked.request
+        if request.status == RequestStatus.RUNNING:
+            self.scheduler.rollback(request, request.num_computed_tokens - entry.start)
+        if tracked.detok is not None:
+            tracked.detok = self._replayed_detok(tracked)
+        tracked.num_failures += 1
+        if isinstance(exc, RequestError) or tracked.num_failures >= MAX_STEP_FAILURES:
+            self._fail(tracked, exc)
+        else:
+            logger.warning("hf_paged: request %r failed after the forward (%r); retrying it",
+                           request.request_id, exc)
+
+    def _replayed_detok(self, tracked: _Tracked) -> IncrementalDetokenizer:
+        request = tracked.request
+        detok = IncrementalDetokenizer(self.tokenizer, request.token_ids[: request.num_prompt_tokens],
+                                       skip_special_tokens=tracked.params.skip_special_tokens,
+                                       stop_strings=tracked.params.stop_strings)
+        for token in tracked.output_ids:
+            detok.add(token)
+        return detok
+
+    def _requeue(self, requests: list[Request], exc: Exception, stage: str) -> None:
+        """The step raised before its K/V were complete: its requests go back to waiting (nothing of the
+        step was published in the prefix cache) and are recomputed later."""
+        self.cache.abandon_step(reset_prefix_cache=False)
+        self._metrics.num_failed_steps += 1
+        logger.warning("hf_paged: a step failed in %s (%r); requeueing its %d requests", stage, exc, len(requests))
+        for request in requests:
+            tracked = self._requests.get(request.request_id)
+            if tracked is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.scheduler.preempt(request)
+                self._note_preempted(tracked)
+            tracked.num_failures += 1
+            if tracked.num_failures >= MAX_STEP_FAILURES:
+                self._fail(tracked, exc)
+
+    def _on_failed_schedule(self, exc: Exception) -> None:
+        """Scheduling (or the engine's own bookkeeping around it) raised: undo whatever it began."""
+        self._consecutive_failed_steps += 1
+        self._requeue(self.scheduler.recover(), exc, "scheduling")
+        if self._consecutive_failed_steps >= MAX_STEP_FAILURES:  # nothing must hang silently
+            logger.error("hf_paged: %d steps in a row failed; ending every unfinished request", MAX_STEP_FAILURES)
+            for tracked in list(self._requests.values()):
+                self._fail(tracked, exc)
+            self._consecutive_failed_steps = 0
+
+    def _note_preempted(self, tracked: _Tracked) -> None:
+        tracked.metrics.num_preemptions += 1
+        self._metrics.num_preemptions += 1
+        if self.proposer is not None:
+            self.proposer.free(tracked.request.request_id)
+
+    def _fail(self, tracked: _Tracked, exc: Exception) -> None:
+        tracked.error = exc
+        self._finish(tracked, "error")
 
     # ------------------------------------------------------------------ speculative decoding
     def _num_drafts_for(self, tracked: _Tracked) -> int:
@@ -271,6 +538,8 @@ class Engine:
         return max(0, min(k, room - 1))
 
     def _propose(self) -> None:
+        """Ask the proposer for drafts. If it raises, this step runs without any, and every request's
+        draft state is dropped (the proposer starts afresh from the committed tokens)."""
         asks = []
         for request in self.scheduler.running:
             if request.num_pending_tokens != 1:
@@ -281,36 +550,20 @@ class Engine:
                 asks.append(ProposalRequest(request.request_id, request.token_ids, k, self._sampling_state(tracked)))
         if not asks:
             return
-        for ask, proposal in zip(asks, self.proposer.propose(asks)):
-            tracked = self._requests[ask.request_id]
+        try:
+            proposals = self.proposer.propose(asks)
+        except Exception:
+            logger.warning("hf_paged: the draft proposer failed; this step runs without drafts", exc_info=True)
+            self._metrics.num_failed_steps += 1
+            for request in self.scheduler.running:
+                self.proposer.free(request.request_id)
+            return
+        for ask, proposal in zip(asks, proposals):
             drafts = proposal.token_ids[: ask.num_tokens]
             valid = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), len(drafts))
-            tracked.request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger than ours
-            tracked.draft_probs = None if proposal.probs is None else _fit_vocab(proposal.probs[:valid], self.vocab_size)
+            self._requests[ask.request_id].request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger
 
-    def _commit_verified(self, tracked: _Tracked, entry: ScheduledRequest, rows: torch.Tensor, now: float) -> None:
-        """Verify `entry`'s drafts against the target's logits `rows` ([k + 1, vocab]), commit the
-        accepted tokens plus one, and roll the cache back past the last accepted draft."""
-        drafts = entry.draft_token_ids
-        state = self._sampling_state(tracked)
-        if state.params.is_greedy and not needs_processing(state):
-            committed = verify_greedy(rows.argmax(dim=-1).tolist(), drafts)
-        else:
-            dist = target_distributions(rows[:, : self.vocab_size], state, drafts)
-            if state.params.is_greedy:
-                committed = verify_greedy(dist.argmax(dim=-1).tolist(), drafts)
-            else:
-                q = None if tracked.draft_probs is None else tracked.draft_probs[: len(drafts)]
-                committed = rejection_sample(dist, q, drafts, tracked.generator)
-        accepted = len(committed) - 1
-        self._metrics.on_verification(len(drafts), accepted)
-        request = tracked.request
-        for token in committed:
-            self._append_token(tracked, token, now)
-            if tracked.finish_reason is not None:
-                return  # finished (its blocks are already freed)
-        self.scheduler.rollback(request, len(drafts) - accepted)
-
+    # ------------------------------------------------------------------ bookkeeping
     def _note_admissions(self, sched: SchedulerOutput, now: float) -> None:
         self._metrics.prefix_cache_queries += sched.num_prefix_query_tokens
         self._metrics.prefix_cache_hits += sched.num_prefix_hit_tokens
@@ -327,38 +580,13 @@ class Engine:
     def _sampling_state(self, tracked: _Tracked) -> SamplingState:
         params = tracked.params
         end_ids = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
-        return SamplingState(params=params, generator=tracked.generator, token_ids=tracked.request.token_ids,
+        return SamplingState(params=params, seed=tracked.seed, token_ids=tracked.request.token_ids,
                              num_output_tokens=tracked.request.num_output_tokens, end_token_ids=end_ids)
 
-    def _append_token(self, tracked: _Tracked, token: int, now: float) -> None:
-        request, params = tracked.request, tracked.params
-        request.token_ids.append(token)
-        tracked.metrics.on_token(now)
-        self._metrics.generation_tokens += 1
-        num_out = request.num_output_tokens
-        reason = None
-        if num_out >= params.min_new_tokens and (
-            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
-        ):
-            reason = "stop"
-        elif params.stop_strings and num_out >= params.min_new_tokens and self._hit_stop_string(tracked):
-            reason = "stop"
-        elif num_out >= params.max_new_tokens or len(request.token_ids) >= self.max_model_len:
-            reason = "length"
-        if reason is not None:
-            self._finish(tracked, reason)
-
-    def _hit_stop_string(self, tracked: _Tracked) -> bool:
-        text = self._decode(tracked)
-        cut = stop_string_cut(text, tracked.params.stop_strings)
-        if cut is not None:
-            tracked.text = text[:cut]
-        return cut is not None
-
-    def _decode(self, tracked: _Tracked) -> str:
-        return decode_output(self.tokenizer, tracked.output_ids, tracked.params.skip_special_tokens)
-
-    def _finish(self, tracked: _Tracked, reason: str) -> None:
+    def _finish(self, tracked: _Tracked, reason: str, last_event: StreamEvent | None = None,
+                report: bool = True) -> None:
+        """End a request exactly once: free its blocks, settle its text, tell its owner (and, with
+        `report`, the caller of `step()`)."""
         if tracked.finish_reason is not None:
             return
         self.scheduler.finish(tracked.request)
@@ -366,12 +594,27 @@ class Engine:
             self.proposer.free(tracked.request.request_id)
         tracked.finish_reason = reason
         tracked.metrics.finished_time = time.perf_counter()
-        if tracked.text is None and self.tokenizer is not None:
-            tracked.text = self._decode(tracked)
+        tail = ""
+        if tracked.detok is not None:
+            tail = tracked.detok.finish()
+            tracked.text = tracked.detok.text
+        elif self.tokenizer is not None:
+            tracked.text = self.tokenizer.decode(tracked.output_ids, skip_special_tokens=tracked.params.skip_special_tokens)
         self._metrics.on_finished(tracked.metrics, reason)
-        del self._requests[tracked.request.request_id]
-        if tracked.request.request_id in self._watched:
-            self._finished_outputs[tracked.request.request_id] = self._output(tracked)
+        with self._registry_lock:
+            del self._requests[tracked.request.request_id]
+        output = self._output(tracked)
+        if report:
+            self._updates.append(output)
+        if tracked.inbox is not None:  # the request's one end event carries its output
+            if last_event is None:
+                text = tail if tracked.detok is not None else None
+                last_event = StreamEvent(tracked.request.request_id, tracked.index, None, text, reason)
+            else:
+                last_event.finish_reason = reason
+                if tail:
+                    last_event.text = (last_event.text or "") + tail
+            tracked.inbox.put(last_event, output)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
@@ -379,12 +622,13 @@ class Engine:
             request_id=request.request_id,
             prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
             token_ids=list(tracked.output_ids),
-            text=tracked.text,  # set once finished; streaming decodes its own deltas
+            text=tracked.text,  # set once finished; streams carry their own deltas
             finish_reason=tracked.finish_reason,
             metrics=tracked.metrics,
+            error=tracked.error,
         )
 
-    def _update_gauges(self, sched: SchedulerOutput) -> None:
+    def _update_gauges(self) -> None:
         m, pool = self._metrics, self.cache.pool
         m.num_requests_running = len(self.scheduler.running)
         m.num_requests_waiting = len(self.scheduler.waiting)
@@ -400,39 +644,35 @@ class Engine:
         """Generate for every prompt; one `RequestOutput` per prompt, in input order.
 
         A prompt that is rejected (empty, too long, out-of-vocabulary ids, bad sampling params) gets an
-        output with `finish_reason="error"` and `.error` set; the others still run.
+        output with `finish_reason="error"` and `.error` set, and so does a request whose steps keep
+        failing; the others still run and return their outputs.
         """
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
-        ids: list[str | None] = []
+        inbox = Inbox(wants_tokens=False)
         results: dict[int, RequestOutput] = {}
+        live: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                ids.append(self.add_request(prompt, p))
+                live[self.add_owned_request(prompt, p, None, inbox, i)] = i
             except (ValueError, TypeError) as exc:
                 logger.warning("hf_paged: request %d rejected: %s", i, exc)
-                ids.append(None)
                 prompt_ids = list(prompt) if not isinstance(prompt, str) else []
                 results[i] = RequestOutput(request_id=f"rejected-{i}", prompt_token_ids=prompt_ids,
                                            finish_reason="error", error=exc)
-        live = {rid: i for i, rid in enumerate(ids) if rid is not None}
-        self._watched.update(live)
         bar = self._progress_bar(len(live), use_tqdm)
         try:
-            while any(rid in self._requests for rid in live):
-                for out in self.step():
-                    if out.finished and out.request_id in live and bar is not None:
-                        bar.update(1)
-        except BaseException:
+            for _, final in drain(inbox, len(live), self.advance, self.is_running):
+                results[live[final.request_id]] = final
+                if bar is not None:
+                    bar.update(1)
+        except BaseException:  # interrupted (KeyboardInterrupt...): stop what this call started
             for rid in live:
                 self.abort(rid)
             raise
         finally:
-            self._watched.difference_update(live)
             if bar is not None:
                 bar.close()
-        for rid, i in live.items():
-            results[i] = self._finished_outputs.pop(rid)
         return [results[i] for i in range(len(prompts))]
 
     def stream(
@@ -440,31 +680,76 @@ class Engine:
         prompts: str | SequenceABC[int] | SequenceABC[str | SequenceABC[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> Iterator[StreamEvent]:
-        """Yield each token as it is produced, in order per request, for one prompt or many.
+        """Yield each token as it is produced, in order per request, for one prompt or many; each
+        request's last event has its finish_reason. Another caller's `step()` (or the background
+        loop) may produce them: they wait here until this iterator takes them.
 
         Invalid prompts raise before anything runs. Closing the iterator early aborts the requests
         it started (their blocks are freed)."""
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
-        live: dict[str, int] = {}
+        inbox = Inbox(wants_tokens=True)
+        live: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                live[self.add_request(prompt, p)] = i
-            self._watched.update(live)
-            texts = StreamText(self.tokenizer)
-            while any(rid in self._requests for rid in live):
-                for out in self.step():
-                    if out.request_id not in live:
-                        continue
-                    yield StreamEvent(request_id=out.request_id, index=live[out.request_id],
-                                      token_id=out.token_ids[-1], text=texts.delta(out),
-                                      finish_reason=out.finish_reason)
+                live.append(self.add_owned_request(prompt, p, None, inbox, i, streamed=True))
+            for event, _ in drain(inbox, len(live), self.advance, self.is_running):
+                yield event
         finally:
             for rid in live:
                 if rid in self._requests:
                     self.abort(rid)
-                self._finished_outputs.pop(rid, None)
-            self._watched.difference_update(live)
+
+    # ------------------------------------------------------------------ background loop
+    def start(self) -> "Engine":
+        """Run the step loop in a background thread, so that `submit` handles, `stream` and `generate`
+        from any thread are served without driving steps themselves. Idempotent; returns self."""
+        with self._lock:
+            if self.is_running():
+                return self
+            self._stop_mode = None
+            self._thread = threading.Thread(target=self._loop, name="hf_paged-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop the background loop: after finishing every request (`drain=True`) or aborting them.
+
+        Raises:
+            TimeoutError: the loop did not end within `timeout` seconds (it keeps running).
+        """
+        thread = self._thread
+        if thread is None:
+            return
+        self._stop_mode = "drain" if drain else "abort"
+        self._wakeup.set()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"the engine loop did not stop within {timeout} s")
+        self._thread = None
+
+    def is_running(self) -> bool:
+        """Whether the background loop is running."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                self._apply_inbox()
+                if self._stop_mode == "abort":
+                    for tracked in list(self._requests.values()):
+                        self._finish(tracked, "abort")
+                busy = self.scheduler.has_unfinished
+                if not busy and self._stop_mode is not None:
+                    return
+                if busy:
+                    self.advance()
+            if not busy:
+                self._wakeup.wait(0.05)
+                self._wakeup.clear()
+            else:
+                time.sleep(0)  # let other threads take the lock between steps
 
     def _progress_bar(self, total: int, use_tqdm: bool | None):
         show = use_tqdm if use_tqdm is not None else self.show_progress
@@ -478,28 +763,22 @@ class Engine:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
-        """Engine-wide metrics keyed by vLLM's names (see `hf_paged.metrics.EngineMetrics.as_dict`),
+        """Engine-wide metrics keyed by vLLM's names (see `engine.metrics.EngineMetrics.as_dict`),
         plus the KV pool: `kv_block_size`, `kv_num_blocks`, `kv_bytes_per_block` and the peak in use
         (`kv_peak_blocks`, `kv_peak_bytes`)."""
-        self._update_gauges(None)
-        bytes_per_block = self.cache.bytes_per_block(next(self.model.parameters()).dtype)
-        return {**self._metrics.as_dict(), "kv_block_size": self.cache.block_size,
-                "kv_num_blocks": self.cache.pool.num_blocks, "kv_bytes_per_block": bytes_per_block,
-                "kv_peak_blocks": self._metrics.peak_kv_blocks,
-                "kv_peak_bytes": self._metrics.peak_kv_blocks * bytes_per_block}
+        with self._lock:
+            self._update_gauges()
+            bytes_per_block = self.cache.bytes_per_block(next(self.model.parameters()).dtype)
+            return {**self._metrics.as_dict(), "kv_block_size": self.cache.block_size,
+                    "kv_num_blocks": self.cache.pool.num_blocks, "kv_bytes_per_block": bytes_per_block,
+                    "kv_peak_blocks": self._metrics.peak_kv_blocks,
+                    "kv_peak_bytes": self._metrics.peak_kv_blocks * bytes_per_block}
 
     def metrics_summary(self) -> str:
-        self._update_gauges(None)
-        return self._metrics.summary()
+        with self._lock:
+            self._update_gauges()
+            return self._metrics.summary()
 
     def reset_metrics(self) -> None:
-        self._metrics.reset()
-
-
-def _fit_vocab(probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Draft distributions over the target's vocabulary (a draft may pad its vocabulary differently)."""
-    if probs.shape[-1] == vocab_size:
-        return probs
-    if probs.shape[-1] > vocab_size:
-        return probs[:, :vocab_size]
-    return torch.nn.functional.pad(probs, (0, vocab_size - probs.shape[-1]))
+        with self._lock:
+            self._metrics.reset()

@@ -1,19 +1,28 @@
 """Request and engine metrics, named as vLLM names them (`vllm:...`) so dashboards translate.
 
 Times are `time.perf_counter()` seconds. Histograms are summarised (count, sum, mean, p50, p90,
-p99) rather than bucketed.
+p99) rather than bucketed, over the last `METRICS_WINDOW` observations, so a long-running engine's
+memory stays bounded; counters are totals.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ..spec_decode.verify import expected_tokens_per_forward
 
 
-def _summary(values: list[float]) -> dict:
+METRICS_WINDOW = 10_000  # latest observations each latency histogram summarises
+
+
+def _window() -> deque:
+    return deque(maxlen=METRICS_WINDOW)
+
+
+def _summary(values) -> dict:
     if not values:
         return {"count": 0, "sum": 0.0, "mean": None, "p50": None, "p90": None, "p99": None}
     ordered = sorted(values)
@@ -103,12 +112,14 @@ class EngineMetrics:
         self.prefix_cache_hits = 0  # of which served from it
         self.request_success = 0
         self.request_aborted = 0
+        self.request_errored = 0
         self.num_steps = 0
-        self.iteration_tokens: list[int] = []
-        self.ttft: list[float] = []
-        self.itl: list[float] = []
-        self.queue_time: list[float] = []
-        self.e2e: list[float] = []
+        self.num_failed_steps = 0  # steps (or single requests in them) that raised and were undone
+        self.iteration_tokens: deque[int] = _window()
+        self.ttft: deque[float] = _window()
+        self.itl: deque[float] = _window()
+        self.queue_time: deque[float] = _window()
+        self.e2e: deque[float] = _window()
         self.finish_reasons: dict[str, int] = {}
         self.num_requests_running = 0
         self.num_requests_waiting = 0
@@ -121,14 +132,13 @@ class EngineMetrics:
         self.spec_accepted_per_pos: list[int] = []
         self.spec_drafted_per_pos: list[int] = []
         self.spec_num_rejections = 0  # verifications that stopped at a rejected draft
-        self.spec_predicted_tokens: list[float] = []  # closed-form tokens/forward per verification (filled lazily)
-        self.spec_k_values: list[int] = []
+        self.spec_k_counts: Counter[int] = Counter()  # verifications per number of drafts k
 
     def on_verification(self, num_drafts: int, num_accepted: int) -> None:
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += num_accepted
-        self.spec_k_values.append(num_drafts)
+        self.spec_k_counts[num_drafts] += 1
         if num_accepted < num_drafts:
             self.spec_num_rejections += 1
         while len(self.spec_accepted_per_pos) < num_drafts:
@@ -148,7 +158,7 @@ class EngineMetrics:
         judged = self.spec_num_accepted_tokens + self.spec_num_rejections
         alpha = self.spec_num_accepted_tokens / judged if judged else None
         measured = (self.spec_num_accepted_tokens + n) / n if n else None
-        predicted = (sum(expected_tokens_per_forward(alpha, k) for k in self.spec_k_values) / n
+        predicted = (sum(c * expected_tokens_per_forward(alpha, k) for k, c in self.spec_k_counts.items()) / n
                      if n and alpha is not None else None)
         return {
             "vllm:spec_decode_num_drafts": n,
@@ -163,13 +173,16 @@ class EngineMetrics:
             "mean_acceptance_length": measured,  # vLLM's: 1 + accepted / drafts
             "tokens_per_target_forward": measured,
             "predicted_tokens_per_target_forward": predicted,
-            "mean_num_speculative_tokens": sum(self.spec_k_values) / n if n else None,
+            "mean_num_speculative_tokens": sum(k * c for k, c in self.spec_k_counts.items()) / n if n else None,
         }
 
     def on_finished(self, metrics: RequestMetrics, reason: str) -> None:
         self.finish_reasons[reason] = self.finish_reasons.get(reason, 0) + 1
         if reason == "abort":
             self.request_aborted += 1
+            return
+        if reason == "error":
+            self.request_errored += 1
             return
         self.request_success += 1
         for values, value in ((self.ttft, metrics.time_to_first_token), (self.queue_time, metrics.queue_time),
@@ -198,6 +211,8 @@ class EngineMetrics:
             "vllm:request_queue_time_seconds": _summary(self.queue_time),
             "vllm:e2e_request_latency_seconds": _summary(self.e2e),
             "num_requests_aborted": self.request_aborted,
+            "num_requests_errored": self.request_errored,
+            "num_failed_steps": self.num_failed_steps,
             "finish_reasons": dict(self.finish_reasons),
             "num_steps": self.num_steps,
             "elapsed_seconds": elapsed,

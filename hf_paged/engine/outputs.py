@@ -1,8 +1,5 @@
-"""What the engine hands back: `RequestOutput`, `StreamEvent`, and turning token ids into text.
-
-Owns detokenising (the final text, stream deltas, the stop-string search); it never changes a
-request's state or touches the cache.
-"""
+"""What the engine hands back: `RequestOutput` (a request's result, or its state so far) and
+`StreamEvent` (one generated token, or a request's end). Plain data."""
 
 from __future__ import annotations
 
@@ -41,44 +38,20 @@ class RequestOutput:
 
 @dataclass
 class StreamEvent:
-    """One newly generated token of a streamed request.
+    """One newly generated token of a streamed request, or its end.
 
     Attributes:
-        request_id, index: the request and its position in the prompts given to `stream`.
-        token_id: the new token.
-        text: the text this token adds (None without a tokenizer).
-        finish_reason: set on the request's last event.
+        request_id, index: the request and its position in the prompts given to `stream` (0 for
+            `submit`).
+        token_id: the new token; None on an end event that carries no token (abort, error).
+        text: the text this event adds (None without a tokenizer). Never half a character, never
+            text that may still turn out to be the start of a stop string; the texts of all of a
+            request's events join to its final `RequestOutput.text`.
+        finish_reason: set on the request's last event (exactly one per request).
     """
 
     request_id: str
     index: int
-    token_id: int
+    token_id: int | None
     text: str | None
     finish_reason: str | None
-
-
-def decode_output(tokenizer, token_ids: list[int], skip_special_tokens: bool) -> str:
-    """The text of generated `token_ids`."""
-    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-
-def stop_string_cut(text: str, stop_strings: list[str]) -> int | None:
-    """Where `text` must be cut before the earliest stop string in it, or None if none occurs."""
-    cuts = [c for c in (text.find(s) for s in stop_strings) if c >= 0]
-    return min(cuts) if cuts else None
-
-
-class StreamText:
-    """Per-request text deltas of a stream: each event adds what its token added to the text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._texts: dict[str, str] = {}
-
-    def delta(self, out: RequestOutput) -> str | None:
-        if self.tokenizer is None:
-            return None
-        full = out.text if out.finished else decode_output(self.tokenizer, out.token_ids, skip_special_tokens=True)
-        seen = self._texts.get(out.request_id, "")
-        self._texts[out.request_id] = full
-        return full[len(seen):]

@@ -5,7 +5,8 @@
   `StepMetadata` and picks the paged or dense attention path.
 * `padding.py`: which columns of a padded batch are real tokens (the left-padding rule).
 * `pool_sizing.py`: how far the KV pool may grow. `weights.py`: which weights a prefix was cached
-  under. `support.py`: which models are supported, and why not.
+  under (`weights_fingerprint`, and `invalidate` for changes it cannot see). `support.py`: which
+  models are supported, and why not.
 
 Depends on `core` (bookkeeping) and `attention` (metadata, kernels); knows nothing about requests,
 scheduling or sampling.
@@ -14,7 +15,7 @@ scheduling or sampling.
 from .cache import PagedCache, PagedLayer
 from .planning import attach, detach
 from .support import check_model_supported, decoder_of
-from .weights import weights_fingerprint
+from .weights import invalidate, weights_fingerprint
 
 __all__ = ["PagedCache", "PagedLayer", "attach", "check_model_supported", "decoder_of", "detach",
-           "weights_fingerprint"]
+           "invalidate", "weights_fingerprint"]

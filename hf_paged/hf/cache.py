@@ -2,7 +2,7 @@
 
 KV layout (one pair of tensors per layer, shared block ids across layers):
 
-    key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim]   (V: head_dim_v)
 
            block 0          block 1          block 2          block 3
         +----------------+----------------+----------------+----------------+
@@ -16,7 +16,10 @@ KV layout (one pair of tensors per layer, shared block ids across layers):
 Nothing is sized for the maximum length: a sequence holds ceil(len / block_size) blocks, so waste
 is at most block_size - 1 tokens per sequence, and padding in a batch holds no slot at all.
 Sequences that share a prompt share its full blocks (prefix caching, hash-chained) and forks share
-everything until one of them writes (copy-on-write).
+everything until one of them writes (copy-on-write). K and V keep the head widths of the states the
+model stores: multi-head latent attention (DeepSeek-V2/V3) stores its `kv_lora_rank`-wide latent and
+`qk_rope_head_dim`-wide rotary key, one head each, and runs dense attention over them (see
+`support.has_latent_kv`).
 
 This class is the only owner of KV tensors, and the only transformers `Cache` of hf_paged. It
 implements the Cache API (update, lengths, crop, beam reordering, reset) and nothing else: which
@@ -37,7 +40,8 @@ from ..config import PagedCacheConfig
 from ..core import BlockManager, BlockPool, KVSequence
 from . import pool_sizing
 from .padding import real_columns, real_tokens
-from .support import check_model_supported, layer_types_of
+from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
+                      layer_types_of)
 from .weights import WeightsEpoch
 
 
@@ -106,7 +110,9 @@ class PagedCache(Cache):
 
     With `attn_implementation="hf_paged"` attention reads K/V straight from the blocks. With any other
     implementation `update()` returns the gathered, contiguous `[batch, kv_heads, kv_len, head_dim]`
-    K/V that implementation expects (correct, slower).
+    K/V that implementation expects (correct, slower). Models with multi-head latent attention
+    (`support.has_latent_kv`) always take the dense path: they expand the cached latents inside their
+    attention module, so no kernel could read the blocks; the cache still stores only the latents.
 
     Padding is never stored when the forward goes through a model attached with `hf_paged.attach`
     (which `generate` does automatically): pad columns get slot -1. Rows must be left-padded, the
@@ -118,14 +124,13 @@ class PagedCache(Cache):
             raise TypeError("pass either cache_config or keyword overrides, not both")
         check_model_supported(config)
         self.cache_config = cache_config or PagedCacheConfig(**overrides)
-        text = config.get_text_config(decoder=True)
         super().__init__(layers=[PagedLayer(self, is_sliding=t == "sliding_attention") for t in layer_types_of(config)])
         self.block_size = self.cache_config.block_size
         kv = self.cache_config.kv_cache_dtype
         self.kv_dtype = None if kv == "auto" else getattr(torch, kv)
-        num_attention_heads = getattr(text, "num_attention_heads", 1)
-        self._config_num_kv_heads = getattr(text, "num_key_value_heads", None) or num_attention_heads
-        self._config_head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_attention_heads
+        self._model_config = config
+        self.has_latent_kv = has_latent_kv(config)
+        self._config_kv_shapes = kv_head_shapes(config)  # (num_kv_heads, head_dim, head_dim_v)
         self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
         self.manager = BlockManager(self.pool, self.block_size)
         self.seqs: list[KVSequence] = []
@@ -164,7 +169,8 @@ class PagedCache(Cache):
         """Store this step's K/V for `layer_idx` and return what the attention needs.
 
         Args:
-            key_states, value_states: [batch, num_kv_heads, q_len, head_dim] new states.
+            key_states, value_states: [batch, num_kv_heads, q_len, head_dim] new states (V's last
+                dimension may differ from K's: each keeps its own width).
 
         Returns:
             PAGED steps: the layer's `[num_blocks, block_size, num_kv_heads, head_dim]` K and V blocks.
@@ -181,6 +187,8 @@ class PagedCache(Cache):
         step.layers_done.add(layer_idx)
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
+            if step.mode == PAGED and self.kv_dtype is not None:  # an engine step: first sight of the dtype
+                dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device)
             layer.lazy_initialization(key_states, value_states)
         slot_mapping = step.slot_mapping.to(layer.device)
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping)
@@ -245,12 +253,14 @@ class PagedCache(Cache):
         """Allocate slots for one forward of a padded `[batch_size, q_len]` batch and build its metadata.
 
         Args:
-            mode: PAGED (attention reads blocks) or DENSE (update returns gathered K/V).
+            mode: PAGED (attention reads blocks) or DENSE (update returns gathered K/V). A model with
+                latent attention (`has_latent_kv`) always gets DENSE: it expands the latents itself.
             input_ids: [batch_size, q_len] token ids, for prefix caching; None when unknown.
             attention_mask: [batch_size, past + q_len] 2D padding mask (1 = real token), or None.
 
         Raises:
-            ValueError: bad batch shape or padding layout, or a sequence that can never fit the pool.
+            ValueError: bad batch shape or padding layout, a sequence that can never fit the pool, or
+                a `kv_cache_dtype` the paged kernels cannot read for this `dtype`.
             NoFreeBlocksError: the pool (at its size limit) has too few free blocks right now.
         """
         if self._step_is_unfinished():
@@ -265,6 +275,10 @@ class PagedCache(Cache):
                 f"the PagedCache holds {len(self.seqs)} sequences but this forward has batch size {batch_size}; "
                 "call cache.reset() before reusing it for another batch"
             )
+        if self.has_latent_kv:
+            mode = DENSE
+        if mode == PAGED and self.kv_dtype is not None:
+            dispatch.check_kv_cache_dtype(dtype, self.kv_dtype, device)
         seqs = self.seqs or [self._new_sequence() for _ in range(batch_size)]
         real_cols = real_columns(attention_mask, self._num_columns, [seq.num_tokens > 0 for seq in seqs], q_len)
         new_tokens = real_tokens(input_ids, real_cols)
@@ -282,23 +296,28 @@ class PagedCache(Cache):
             slots.append(result.slots)
             copies.extend(result.copies)
         self._apply_copies(copies)
-        self._step = build_step_metadata(
-            mode=mode,
-            q_len=q_len,
-            num_columns=self._num_columns + q_len,
-            real_cols=real_cols,
-            slots=slots,
-            block_tables=[seq.block_table for seq in self.seqs],
-            seq_lens=[seq.num_tokens for seq in self.seqs],
-            copies=copies,
-            device=device,
-        )
-        self._step.workspace = self._workspace
-        return self._step
+        try:
+            step = build_step_metadata(
+                mode=mode, q_len=q_len, num_columns=self._num_columns + q_len, real_cols=real_cols, slots=slots,
+                block_tables=[seq.block_table for seq in self.seqs], seq_lens=[seq.num_tokens for seq in self.seqs],
+                copies=copies, device=device,
+            )
+        except BaseException:
+            self.pool.reset_prefix_cache()  # the blocks just filled were hashed but will never be written
+            raise
+        step.workspace = self._workspace
+        self._step = step
+        return step
 
     def begin_step(self, step: StepMetadata) -> None:
         """Run the next forward with `step`, planned outside the cache (the `Engine`'s scheduler owns
-        the sequences and their block tables); applies its copy-on-write copies first."""
+        the sequences and their block tables); applies its copy-on-write copies first.
+
+        Raises:
+            ValueError: a PAGED step for a model whose attention cannot read the blocks (latent attention).
+        """
+        if step.mode == PAGED:
+            check_paged_attention_supported(self._model_config)
         if self._step_is_unfinished():
             self._step = None
             raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
@@ -306,14 +325,23 @@ class PagedCache(Cache):
         step.workspace = self._workspace
         self._step = step
 
-    def abandon_step(self) -> None:
-        """Forget a step whose forward raised. Blocks hashed for it may hold no K/V: drop every hash."""
-        if self._step_is_unfinished():
+    def abandon_step(self, reset_prefix_cache: bool = True) -> None:
+        """Forget a step whose forward raised. Blocks hashed for it may hold no K/V, so every hash is
+        dropped, unless the caller deferred this step's hashing (`reset_prefix_cache=False`: the
+        engine's steps publish their blocks only after the forward)."""
+        if reset_prefix_cache and self._step_is_unfinished():
             self.pool.reset_prefix_cache()
         self._step = None
 
     def new_sequence(self) -> KVSequence:
-        """A fresh `KVSequence` salted for this cache (its `cache_salt` and current weights epoch)."""
+        """A fresh `KVSequence` salted for this cache (its `cache_salt` and current weights epoch), for
+        a caller that plans its own steps (`begin_step`'s packed PAGED steps need paged attention).
+
+        Raises:
+            ValueError: the model's attention cannot read the blocks (latent attention); raised here so
+                that the `Engine` rejects a request at admission, before any forward.
+        """
+        check_paged_attention_supported(self._model_config)
         return self._new_sequence()
 
     def _step_is_unfinished(self) -> bool:
@@ -335,7 +363,8 @@ class PagedCache(Cache):
             layer.resize(self.pool.num_blocks)
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
-        """Bytes of K and V one block takes across all layers."""
+        """Bytes of K and V one block takes across all layers: measured once every layer holds its
+        tensors, else from the config's K/V head shapes (`support.kv_head_shapes`)."""
         initialized = [layer for layer in self.layers if layer.is_initialized]
         if len(initialized) == len(self.layers):
             per_layer = [(layer.keys[0].numel() + layer.values[0].numel()) * layer.keys.element_size()
@@ -343,7 +372,8 @@ class PagedCache(Cache):
             return sum(per_layer)
         dtype = self.kv_dtype or dtype or torch.float32
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        per_layer = 2 * self.block_size * self._config_num_kv_heads * self._config_head_dim * itemsize
+        num_kv_heads, head_dim, head_dim_v = self._config_kv_shapes
+        per_layer = self.block_size * num_kv_heads * (head_dim + head_dim_v) * itemsize
         return per_layer * len(self.layers)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
@@ -356,7 +386,12 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------------ sequences
     def _new_sequence(self) -> KVSequence:
-        return KVSequence(seq_id=self._next_id(), extra_key=(self.cache_config.cache_salt, self.weights.epoch))
+        return KVSequence(seq_id=self._next_id(), extra_key=self.sequence_salt())
+
+    def sequence_salt(self) -> tuple:
+        """What every block hash of a sequence starting now is salted with: the cache's `cache_salt`
+        and the current weights epoch. A sequence that stores nothing yet may be re-salted with it."""
+        return (self.cache_config.cache_salt, self.weights.epoch)
 
     def _reindex(self, rows: list[int]) -> None:
         if self.seqs:

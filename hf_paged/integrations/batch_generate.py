@@ -11,37 +11,34 @@ the generated tokens, rows that ended early filled with `pad_token_id`, the same
 per-call cache to return: `cache` is None). The engine's metrics of the call (KV peak, prefix hits,
 speculation) are left in `model.hf_paged_last_metrics`.
 
-Anything the engine does not reproduce exactly (beam search, assisted decoding, scores/logits/
+The generation config is merged exactly as stock merges it (the model's `generation_config`,
+transformers' defaults such as `top_k=50`, the call's keywords) and mapped field by field
+(`generation_config.py`). Anything the engine does not reproduce exactly (beam search, scores/logits/
 attentions outputs, custom logits processors or stopping criteria, streamers, a cache passed in,
-`inputs_embeds`, less common generation-config fields...) returns None from `try_engine_generate`,
-and `generate` runs stock transformers with a `PagedCache` instead. Set
+`inputs_embeds`, a processor the engine lacks...) returns None from `try_engine_generate`, and
+`generate` runs stock transformers with a `PagedCache` instead. Set
 `model.hf_paged_use_engine = False` to always take that path.
 """
 
 from __future__ import annotations
 
-import copy
+import logging
 import warnings
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..config import MAX_SPECULATIVE_TOKENS, PagedCacheConfig, check_pool_fits
+from ..config import PagedCacheConfig, check_pool_fits
 from ..engine import Engine
-from ..engine.inputs import as_token_id_list
-from ..worker.sampling import SamplingParams
+from ..hf.support import has_latent_kv
+from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
 
-# generate() keyword arguments the engine path understands; anything else falls back.
+logger = logging.getLogger(__name__)
+
 _MODEL_INPUTS = {"input_ids", "attention_mask"}
-_CONFIG_KEYS = {
-    "max_new_tokens", "min_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty", "eos_token_id", "pad_token_id", "bos_token_id", "return_dict_in_generate", "use_cache",
-    "num_beams", "num_return_sequences", "prompt_lookup_num_tokens", "num_assistant_tokens",
-    "max_matching_ngram_size",
-}
-# Generation-config fields (as in `to_diff_dict`) whose non-default values the engine honours.
-_SUPPORTED_DIFF = _CONFIG_KEYS | {"transformers_version", "_from_model_config", "max_length"}
+# Every GenerationConfig field may be passed as a keyword; `sampling_params_from` judges its value.
+_CONFIG_KEYS = frozenset(GenerationConfig().to_dict()) | {"generation_config"}
 
 
 def try_engine_generate(model, inputs, generation_config, kwargs: dict):
@@ -49,7 +46,11 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
     when the call needs something only stock generate provides."""
     if not getattr(model, "hf_paged_use_engine", True) or getattr(model.config, "is_encoder_decoder", False):
         return None
-    if set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"generation_config", "assistant_model"}:
+    if has_latent_kv(model.config):
+        return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
+    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"assistant_model"}
+    if unknown:
+        logger.debug("hf_paged: stock generate serves this call (arguments %s)", sorted(unknown))
         return None
     assistant = kwargs.get("assistant_model")
     if assistant is not None and (not isinstance(assistant, torch.nn.Module)
@@ -60,39 +61,28 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         return None
     if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long or input_ids.shape[0] == 0:
         return None
-    gc = _merged_config(model, generation_config, {k: v for k, v in kwargs.items() if k in _CONFIG_KEYS})
-    if gc is None or (gc.num_beams or 1) != 1 or (gc.num_return_sequences or 1) != 1 or gc.use_cache is False:
-        return None
     rows = _left_padded_rows(input_ids, kwargs.get("attention_mask"))
     if rows is None:
         return None
     width = input_ids.shape[1]
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - width
-    if max_new < 1:
-        return None  # stock generate reports this case its own way
-    eos_ids = as_token_id_list(gc.eos_token_id)
+    config_kwargs = {k: v for k, v in kwargs.items() if k in _CONFIG_KEYS and k != "generation_config"}
+    gc = merged_generation_config(model, kwargs.get("generation_config", generation_config), config_kwargs)
+    params = sampling_params_from(gc, width)
+    if isinstance(params, str):
+        logger.debug("hf_paged: stock generate serves this call (%s)", params)
+        return None
+    eos_ids = eos_token_ids_of(gc)
     pad = gc.pad_token_id
     if pad is None:
         if not eos_ids:
             return None
         pad = eos_ids[0]  # what stock generate does, with the same warning
         warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{pad} for open-end generation.", stacklevel=3)
-    params = SamplingParams(
-        max_new_tokens=max_new,
-        min_new_tokens=gc.min_new_tokens or 0,
-        temperature=float(gc.temperature if gc.temperature is not None else 1.0) if gc.do_sample else 0.0,
-        top_k=int(gc.top_k or 0) if gc.do_sample else 0,
-        top_p=float(gc.top_p if gc.top_p is not None else 1.0) if gc.do_sample else 1.0,
-        repetition_penalty=float(gc.repetition_penalty or 1.0),
-    )
-    try:
-        params.validate()
-    except (TypeError, ValueError):
-        return None
-    engine_kwargs = _engine_kwargs(model, len(rows), width + max_new)
-    check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], width + max_new)
+    max_len = width + params.max_new_tokens
+    engine_kwargs = _engine_kwargs(model, len(rows), max_len)
+    check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], max_len)
     engine = Engine(model, **engine_kwargs, show_progress=False, eos_token_ids=eos_ids,
-                    **_speculative_kwargs(gc, assistant))
+                    **speculative_kwargs(gc, assistant))
     outputs = engine.generate(rows, params)
     model.hf_paged_last_metrics = engine.metrics()  # introspection: the last engine-served call
     errors = [o.error for o in outputs if o.error is not None]
@@ -106,34 +96,6 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
     if gc.return_dict_in_generate:
         return GenerateDecoderOnlyOutput(sequences=sequences)
     return sequences
-
-
-def _speculative_kwargs(gc: GenerationConfig, assistant) -> dict:
-    """Assisted generation (`assistant_model=`) and prompt lookup (`prompt_lookup_num_tokens=`) map onto
-    the engine's speculative decoding, for any batch size; at most `MAX_SPECULATIVE_TOKENS` drafts per step."""
-    if assistant is not None:
-        k = gc.num_assistant_tokens if gc.num_assistant_tokens else 5
-        return dict(draft_model=assistant, num_speculative_tokens=max(1, min(int(k), MAX_SPECULATIVE_TOKENS)))
-    if gc.prompt_lookup_num_tokens:
-        k = int(gc.prompt_lookup_num_tokens)
-        return dict(speculative_method="ngram", num_speculative_tokens=max(1, min(k, MAX_SPECULATIVE_TOKENS)),
-                    prompt_lookup_max=int(gc.max_matching_ngram_size or 2))
-    return {}
-
-
-def _merged_config(model, generation_config, overrides: dict) -> GenerationConfig | None:
-    base = generation_config if generation_config is not None else model.generation_config
-    gc = copy.deepcopy(base)
-    gc.update(**overrides)
-    diff = gc.to_diff_dict()
-    if any(value not in (None, False) for key, value in diff.items() if key not in _SUPPORTED_DIFF):
-        return None
-    if any(getattr(gc, flag, False) for flag in ("output_scores", "output_logits", "output_attentions",
-                                                   "output_hidden_states")):
-        return None
-    if gc.do_sample and (gc.temperature is not None and gc.temperature <= 0):
-        return None
-    return gc
 
 
 def _left_padded_rows(input_ids: torch.Tensor, attention_mask) -> list[list[int]] | None:

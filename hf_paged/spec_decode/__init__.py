@@ -4,7 +4,7 @@ the output distribution exactly the target's.
 * `proposal.py`: the proposer interface (`ProposalRequest` -> `Proposal`).
 * `ngram.py`: prompt lookup. `draft_model.py`: a smaller model with its own paged cache.
   `layer_skip.py`: a self-speculative draft from the target's first layers.
-* `verify.py`: greedy verification and rejection sampling, pure functions of the logits.
+* `verify.py`: lossless verification (greedy and keyed sampling), pure functions of the logits.
 * `factory.py`: the engine's speculative options -> one proposer.
 
 The engine decides when to propose and commits what `verify` returns; nothing here touches the
@@ -16,7 +16,7 @@ from .factory import make_proposer
 from .layer_skip import layer_skip_draft
 from .ngram import NgramProposer
 from .proposal import Proposal, ProposalRequest
-from .verify import expected_tokens_per_forward, rejection_sample, target_distributions, verify_greedy
+from .verify import expected_tokens_per_forward, target_tokens, verify_greedy
 
 __all__ = ["DraftModelProposer", "NgramProposer", "Proposal", "ProposalRequest", "expected_tokens_per_forward",
-           "layer_skip_draft", "make_proposer", "rejection_sample", "target_distributions", "verify_greedy"]
+           "layer_skip_draft", "make_proposer", "target_tokens", "verify_greedy"]

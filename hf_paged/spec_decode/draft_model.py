@@ -17,7 +17,7 @@ from ..config import DEFAULT_BLOCK_SIZE, PagedCacheConfig
 from ..core import KVSequence
 from ..hf import PagedCache, decoder_of
 from ..worker import Chunk, ModelRunner
-from ..worker.sampling import processed_logits
+from ..worker.sampling import processed_logits, sample_processed
 from .proposal import Proposal, ProposalRequest
 
 
@@ -47,7 +47,7 @@ class DraftModelProposer:
 
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
         proposals = [Proposal([]) for _ in requests]
-        active, chunks, copies = [], [], []
+        active, chunks, copies, full = [], [], [], []
         for i, r in enumerate(requests):
             seq = self.seqs.get(r.request_id)
             if seq is None:
@@ -59,41 +59,36 @@ class DraftModelProposer:
             feed = r.token_ids[common:]
             if r.num_tokens < 1 or not self.manager.can_append(seq, len(feed) + r.num_tokens - 1):
                 continue  # no room in the draft's pool: this request verifies no drafts this step
-            result = self.manager.append_tokens(seq, feed)
+            result = self.manager.append_tokens(seq, feed, register=False)
             copies.extend(result.copies)
+            full.extend(result.new_full_blocks)
             chunks.append(Chunk(seq, common, feed, result.slots, 1))
             active.append(i)
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         for step in range(max((requests[i].num_tokens for i in active), default=0)):
             if step:
-                chunks, copies = [], []
+                chunks, copies, full = [], [], []
                 still = []
                 for i in active:
                     if len(proposals[i].token_ids) >= requests[i].num_tokens:
                         continue
                     seq = self.seqs[requests[i].request_id]
-                    result = self.manager.append_tokens(seq, proposals[i].token_ids[-1:])
+                    result = self.manager.append_tokens(seq, proposals[i].token_ids[-1:], register=False)
                     copies.extend(result.copies)
+                    full.extend(result.new_full_blocks)
                     chunks.append(Chunk(seq, seq.num_tokens - 1, proposals[i].token_ids[-1:], result.slots, 1))
                     still.append(i)
                 active = still
             if not active:
                 break
-            logits = self.runner.forward(chunks, copies)
+            logits = self.runner.forward(chunks, copies, full)
             self.num_forwards += 1
             for row, i in enumerate(active):
                 r = requests[i]
                 drafted = proposals[i].token_ids
-                processed = processed_logits(logits[row, : self.vocab_size], r.state.extended(drafted))
-                if r.state.params.is_greedy:
-                    drafted.append(int(processed.argmax()))
-                else:
-                    q = processed.softmax(dim=-1)
-                    drafted.append(int(torch.multinomial(q, 1, generator=r.state.generator)))
-                    probs[i].append(q)
-        for i, rows in probs.items():
-            if rows:
-                proposals[i].probs = torch.stack(rows)
+                state = r.state.extended(drafted)
+                # The target's own keyed noise at this position: the draft's sample is coupled to the
+                # token the target will draw there, which is what verification compares it with.
+                drafted.append(sample_processed(processed_logits(logits[row, : self.vocab_size], state), state))
         return proposals
 
 

@@ -2,14 +2,12 @@
 
 A proposer has `propose(requests: list[ProposalRequest]) -> list[Proposal]` (one answer per request,
 in order; fewer tokens than asked, even none, is fine) and `free(request_id)` (drop any per-request
-state). Plain data; no tensors beyond the draft distributions.
+state). Plain data.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from ..worker.sampling import SamplingState
 
@@ -17,7 +15,7 @@ from ..worker.sampling import SamplingState
 @dataclass
 class ProposalRequest:
     """What a proposer sees of one request: its id, committed tokens (prompt + outputs), how many
-    tokens to draft, and its sampling state (drafts are sampled with it, so q is known)."""
+    tokens to draft, and its sampling state (a model proposer samples with its keyed noise)."""
 
     request_id: str
     token_ids: list[int]
@@ -27,7 +25,6 @@ class ProposalRequest:
 
 @dataclass
 class Proposal:
-    """Drafted tokens, and the distributions they were sampled from ([k, vocab]; None = one-hot)."""
+    """Drafted tokens, in order (fewer than asked, even none, is fine)."""
 
     token_ids: list[int]
-    probs: torch.Tensor | None = None

@@ -8,7 +8,16 @@ Neither decides which requests run (that is `core.scheduler`) nor holds request 
 """
 
 from .runner import Chunk, ModelRunner
-from .sampling import SamplingParams, SamplingState, make_generator, needs_processing, processed_logits, sample
+from .sampling import (
+    SamplingParams,
+    SamplingState,
+    draw_seed,
+    needs_processing,
+    processed_logits,
+    sample,
+    sample_processed,
+    token_noise,
+)
 
-__all__ = ["Chunk", "ModelRunner", "SamplingParams", "SamplingState", "make_generator", "needs_processing",
-           "processed_logits", "sample"]
+__all__ = ["Chunk", "ModelRunner", "SamplingParams", "SamplingState", "draw_seed", "needs_processing",
+           "processed_logits", "sample", "sample_processed", "token_noise"]

@@ -51,10 +51,15 @@ class ModelRunner:
         params = inspect.signature(decoder_of(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
-    def forward(self, chunks: list[Chunk], copies: list[tuple[int, int]]) -> torch.Tensor:
+    def forward(self, chunks: list[Chunk], copies: list[tuple[int, int]],
+                new_full_blocks: list[tuple[int, int]] = ()) -> torch.Tensor:
         """Returns [sum(num_logits), vocab] logits, chunk by chunk in order.
 
-        On an exception the cache forgets the step (its new blocks hold no K/V) and it propagates."""
+        Args:
+            new_full_blocks: blocks this step fills (`append_tokens(..., register=False)`); they are
+                published in the prefix cache once every layer has written its K/V.
+
+        On an exception the cache forgets the step and it propagates; nothing was published."""
         input_ids, positions, keep = [], [], []
         for chunk in chunks:
             input_ids.extend(chunk.token_ids)
@@ -69,15 +74,16 @@ class ModelRunner:
             copies=copies,
             device=self.device,
         )
-        self.cache.begin_step(meta)
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self.cache.begin_step(meta)
         try:
             with torch.inference_mode():
                 out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
                                  logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
         except BaseException:
-            self.cache.abandon_step()
+            self.cache.abandon_step(reset_prefix_cache=False)  # this step published no block
             raise
+        self.cache.manager.commit_full_blocks(new_full_blocks)
         return out.logits[0]

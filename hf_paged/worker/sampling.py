@@ -1,10 +1,16 @@
 """Per-request sampling: `SamplingParams` (HF's field names) and the sampler that turns one step's
 logits into one token per request.
 
-Every request carries its own `torch.Generator`, seeded from `SamplingParams.seed` (or drawn from
-torch's global RNG when unset), so a seeded request samples the same tokens whichever other
-requests share its batch. The processing order is transformers' own: repetition penalty, then
-`min_new_tokens` (end-of-sequence tokens masked), then temperature, top-k and top-p.
+Random draws are counter-based: the token at sequence position `pos` is the Gumbel-max sample
+`argmax(processed_logits + G)`, with noise `G` drawn from a generator keyed by `(seed, pos)` alone
+(`token_noise`). So a request's tokens depend only on its seed and its own logits: not on its batch
+mates, not on how many speculative tokens it was given (verification compares drafts with this very
+sample), and a step that is retried draws the same numbers again. Gumbel-max sampling is exact: the
+token is distributed as `softmax(processed_logits)`. The seed is `SamplingParams.seed`, or drawn from
+torch's global RNG when unset (`draw_seed`, so `torch.manual_seed` makes unseeded runs reproducible).
+
+The processing order is transformers' own: repetition penalty, then `min_new_tokens` (end-of-sequence
+tokens masked), then temperature, top-k and top-p.
 
 Owns the maths from logits to tokens; it knows nothing of blocks, caches or scheduling.
 """
@@ -29,7 +35,8 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
         top_k: keep the k most likely tokens (0 disables).
         top_p: nucleus sampling; keep the smallest set of tokens whose probability reaches top_p (1 disables).
-        seed: seeds this request's own generator; None draws a seed from torch's global RNG.
+        seed: keys this request's random draws (with each token's position); None draws a seed from
+            torch's global RNG when the request is added.
         stop_token_ids: extra token ids that end the request (the token is kept in the output).
         stop: strings that end the request once the decoded text contains one (needs a tokenizer);
             the text is cut before the stop string.
@@ -111,31 +118,84 @@ class SamplingParams:
 
 @dataclass
 class SamplingState:
-    """What the sampler needs of one request: its params, generator, tokens so far and end ids."""
+    """What the sampler needs of one request: its params, seed, tokens so far and end ids.
+
+    The next token sampled is at sequence position `len(token_ids)`; its noise is keyed by
+    `(seed, len(token_ids))`."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int
     token_ids: list[int]  # prompt + outputs, for the repetition penalty
     num_output_tokens: int
     end_token_ids: list[int]  # eos (unless ignore_eos) + stop_token_ids, masked before min_new_tokens
+
+    @property
+    def position(self) -> int:
+        return len(self.token_ids)
 
     def extended(self, tokens: list[int]) -> "SamplingState":
         """The state after `tokens` were generated (speculative positions see their drafted history)."""
         if not tokens:
             return self
-        return SamplingState(params=self.params, generator=self.generator, token_ids=self.token_ids + list(tokens),
+        return SamplingState(params=self.params, seed=self.seed, token_ids=self.token_ids + list(tokens),
                              num_output_tokens=self.num_output_tokens + len(tokens),
                              end_token_ids=self.end_token_ids)
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A request's own generator; without a seed, one drawn from torch's global RNG (so
-    `torch.manual_seed` makes unseeded runs reproducible too)."""
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
+def draw_seed(seed: int | None) -> int:
+    """A request's seed: its own, or one drawn from torch's global RNG (so `torch.manual_seed`
+    makes unseeded runs reproducible too)."""
+    return int(torch.randint(0, 2**62, (1,)).item()) if seed is None else int(seed)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _as_int64(value: int) -> int:
+    """A 64-bit pattern as the signed int64 torch stores it."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _as_int64(0x9E3779B97F4A7C15)
+_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
+_MIX2 = _as_int64(0x94D049BB133111EB)
+
+
+def _noise_key(seed: int, position: int) -> int:
+    """One 64-bit key per (seed, position); splitmix64 on the host."""
+    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return _as_int64(x ^ (x >> 31))
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:  # int64, element-wise splitmix64 finaliser
+    # int64 products wrap modulo 2**64; `>>` is arithmetic, so each shift is masked to be logical.
+    x = x ^ ((x >> 30) & ((1 << 34) - 1))
+    x = x * _MIX1
+    x = x ^ ((x >> 27) & ((1 << 37) - 1))
+    x = x * _MIX2
+    return x ^ ((x >> 31) & ((1 << 33) - 1))
+
+
+def token_noise(seed: int, position: int, token_ids: torch.Tensor) -> torch.Tensor:  # [n] fp32
+    """Gumbel noise for `token_ids` (int64 [n]) at `position` of a request seeded `seed`: a pure
+    function of (seed, position, token id), computed by a counter-based hash, so any subset of the
+    vocabulary (a top-k support, a draft's vocabulary) gets the same noise per token, on any device."""
+    x = _mix(token_ids.to(torch.int64) * _GOLDEN + _noise_key(seed, position))
+    u = ((x >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0**-53  # uniform on [0, 1)
+    exponential = -torch.log1p(-u)
+    return (-torch.log(exponential.clamp_min(1e-300))).float()
+
+
+def sample_processed(processed: torch.Tensor, state: SamplingState) -> int:
+    """The token for `state`'s next position from its processed logits ([vocab]): argmax when greedy,
+    else the Gumbel-max sample keyed by (seed, position), over the tokens still allowed."""
+    if state.params.is_greedy:
+        return int(processed.argmax())
+    allowed = (processed > float("-inf")).nonzero().flatten()
+    scores = processed[allowed] + token_noise(state.seed, state.position, allowed)
+    return int(allowed[scores.argmax()])
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
@@ -163,34 +223,60 @@ def needs_processing(state: SamplingState) -> bool:
     return p.repetition_penalty != 1.0 or (state.num_output_tokens < p.min_new_tokens and bool(state.end_token_ids))
 
 
-def processed_logits(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """[vocab] logits after the request's processors, in transformers' order: repetition penalty,
-    `min_new_tokens` mask, then (when sampling) temperature, top-k and top-p (-inf outside)."""
+def processed_support(row: torch.Tensor, state: SamplingState) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The request's processors applied to one row of raw logits ([vocab]), in transformers' order:
+    repetition penalty, `min_new_tokens` mask, then (when sampling) temperature, top-k and top-p.
+
+    Returns:
+        `(token_ids, logits)`: the tokens still allowed ([n] int64; None = the whole vocabulary) and
+        their processed logits ([n] fp32). Top-k and top-p keep exactly the tokens transformers'
+        warpers keep (ties at the k-th value included) but never build a full masked row.
+    """
     p = state.params
-    row = row.float().clone()
-    if p.repetition_penalty != 1.0 and state.token_ids:
+    penalise = p.repetition_penalty != 1.0 and bool(state.token_ids)
+    mask_end = state.num_output_tokens < p.min_new_tokens and bool(state.end_token_ids)
+    row = row.float().clone() if penalise or mask_end else row.float()  # never write into the logits
+    if penalise:
         ids = torch.tensor(sorted(set(state.token_ids)), device=row.device)
         score = row[ids]
         row[ids] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-    if state.num_output_tokens < p.min_new_tokens and state.end_token_ids:
+    if mask_end:
         row[torch.tensor(state.end_token_ids, device=row.device)] = float("-inf")
     if p.is_greedy:
-        return row
+        return None, row
     row = row / p.temperature
+    token_ids = None
     if p.top_k and p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
+        token_ids = (row >= kth).nonzero().flatten()
+        row = row[token_ids]
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(row, descending=False)
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - p.top_p)
-        remove[-1] = False  # always keep the most likely token
-        row = row.masked_fill(remove.scatter(0, order, remove), float("-inf"))
-    return row
+        keep = cum > (1 - p.top_p)
+        keep[-1] = True  # always keep the most likely token
+        kept = order[keep]
+        token_ids = kept if token_ids is None else token_ids[kept]
+        row = sorted_logits[keep]
+    return token_ids, row
+
+
+def processed_logits(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
+    """[vocab] logits after the request's processors (see `processed_support`), -inf outside the
+    tokens they keep: what transformers' processors and warpers return."""
+    token_ids, logits = processed_support(row, state)
+    if token_ids is None:
+        return logits if logits.data_ptr() != row.data_ptr() else logits.clone()
+    out = torch.full(row.shape, float("-inf"), device=row.device)
+    out[token_ids] = logits
+    return out
 
 
 def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
-    row = processed_logits(row, state)
+    token_ids, logits = processed_support(row, state)
     if state.params.is_greedy:
-        return int(row.argmax())
-    return int(torch.multinomial(row.softmax(dim=-1), 1, generator=state.generator))
+        return int(logits.argmax())
+    if token_ids is None:
+        return sample_processed(logits, state)
+    # -inf can remain inside a top-k support only through min_new_tokens masks; they lose any argmax.
+    return int(token_ids[(logits + token_noise(state.seed, state.position, token_ids)).argmax()])

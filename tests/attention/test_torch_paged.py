@@ -562,3 +562,100 @@ def test_paged_attention_poisoned_unused_slots_are_masked(block_size, pad_block,
     out = run_with_plan(batch, scale, make_plan(batch, block_size, workspace=torch_paged.Workspace()), **features)
     assert torch.isfinite(out).all(), f"{int((~torch.isfinite(out)).any(-1).any(-1).sum())} tokens not finite"
     assert_matches(out, naive_batch(batch, scale, **features), torch.float32)  # 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- #
+# K and V of different head widths (multi-head latent attention caches a 512-wide latent as K and a
+# 64-wide rotary key as V; an absorbed MLA attends with 576-wide K and 512-wide V)
+
+
+def make_unequal_kv_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, head_dim_v, seed):
+    """A batch whose V rows are `head_dim_v` wide: K and the query from one `make_paged_batch`, V from
+    another with the same seed (the block tables are drawn before anything head_dim-sized)."""
+    k_batch = make_paged_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, torch.float32, seed)
+    v_batch = make_paged_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim_v, torch.float32, seed)
+    assert torch.equal(k_batch.block_tables, v_batch.block_tables)
+    k_batch.value_cache, k_batch.expected_value_cache = v_batch.value_cache, v_batch.expected_value_cache
+    k_batch.values = v_batch.values
+    return k_batch
+
+
+UNEQUAL_FEATURES = {"none": {}, "window": dict(sliding_window=8),
+                    "all": dict(sliding_window=8, softcap=20.0, sinks=torch.linspace(-1.0, 2.0, 6))}
+
+
+@pytest.mark.parametrize("feature", list(UNEQUAL_FEATURES))  # SDPA (causal, unmasked, masked), explicit math
+@pytest.mark.parametrize("head_dim,head_dim_v", [(24, 40), (48, 16)], ids=["v-wider", "v-narrower"])
+@pytest.mark.parametrize("block_size,num_q_heads,num_kv_heads", [(16, 6, 2), (1, 6, 1)], ids=["bs16-3to1", "bs1-mqa"])
+def test_paged_attention_unequal_kv_head_dims(block_size, num_q_heads, num_kv_heads, head_dim, head_dim_v, feature):
+    batch = make_unequal_kv_batch(MIXED_BATCH, block_size, num_q_heads, num_kv_heads, head_dim, head_dim_v,
+                                  seed=101 + block_size + head_dim)
+    scale = head_dim ** -0.5
+    features = UNEQUAL_FEATURES[feature]
+    expected = reference.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                                         batch.seq_lens, batch.cu_seqlens_q, batch.max_seqlen_q, batch.max_seqlen_k,
+                                         scale, **features)
+    assert expected.shape == (batch.query.shape[0], num_q_heads, head_dim_v)
+    for workspace in (None, torch_paged.Workspace()):  # fresh gathers, and reused per-cache scratch buffers
+        out = run_with_plan(batch, scale, make_plan(batch, block_size, workspace=workspace), **features)
+        assert out.shape == expected.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # fp32
+    torch.testing.assert_close(expected.double(), naive_batch(batch, scale, **features), atol=1e-5, rtol=1e-5)
+
+
+def test_store_kv_unequal_kv_head_dims_casts_each_cache():
+    gen = torch.Generator().manual_seed(7)
+    key_cache = torch.randn(3, 4, 2, 16, generator=gen)
+    value_cache = torch.randn(3, 4, 2, 8, generator=gen).half()
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    key, value = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 8, generator=gen)
+    slot_mapping = torch.tensor([3, -1, 11, 0, -1])
+    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    reference.store_kv(key, value, expected_k, expected_v, slot_mapping)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)  # bitwise
+    assert torch.equal(value_cache[2, 3], value[2].half())
+
+
+def test_gather_dense_unequal_kv_head_dims():
+    """The dense path (sdpa/eager over a PagedCache) gathers K and V at their own widths."""
+    from hf_paged.attention.metadata import DENSE, build_step_metadata
+
+    gen = torch.Generator().manual_seed(8)
+    key_cache, value_cache = torch.randn(4, 2, 1, 16, generator=gen), torch.randn(4, 2, 1, 8, generator=gen)
+    # Row 0: 3 tokens in blocks [2, 0]; row 1: 1 token in block [3], left-padded by 2 columns.
+    step = build_step_metadata(mode=DENSE, q_len=3, num_columns=3, real_cols=[range(0, 3), range(2, 3)],
+                               slots=[[4, 5, 0], [6]], block_tables=[[2, 0], [3]], seq_lens=[3, 1], copies=[],
+                               device=torch.device("cpu"))
+    k, v = torch_paged.gather_dense(key_cache, value_cache, step, torch.float32)
+    assert k.shape == (2, 1, 3, 16) and v.shape == (2, 1, 3, 8)
+    flat_k, flat_v = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    assert torch.equal(k[0, 0], flat_k[[4, 5, 0], 0]) and torch.equal(v[0, 0], flat_v[[4, 5, 0], 0])
+    assert torch.equal(v[1, 0, 2], flat_v[6, 0]) and not v[1, 0, :2].any() and not k[1, 0, :2].any()
+
+
+def test_check_kv_cache_dtype_refuses_only_what_triton_cannot_read(monkeypatch):
+    """`PagedCacheConfig(kv_cache_dtype=...)` is checked before any forward: the torch backend reads
+    any float cache; the Triton kernels read the model's dtype, or a 16-bit cache under fp32."""
+    from transformers import LlamaConfig
+
+    from hf_paged.hf.cache import PagedCache
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("HF_PAGED_BACKEND", "torch")
+    dispatch.check_kv_cache_dtype(torch.float16, torch.float32, cpu)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what makes the triton backend legal on CPU
+    for model_dtype, kv_dtype in ((torch.float32, torch.float16), (torch.float32, torch.bfloat16),
+                                  (torch.float16, torch.float16)):
+        dispatch.check_kv_cache_dtype(model_dtype, kv_dtype, cpu)
+    for model_dtype, kv_dtype in ((torch.float16, torch.float32), (torch.bfloat16, torch.float16)):
+        with pytest.raises(ValueError, match="kv_cache_dtype=.* use kv_cache_dtype='auto', or HF_PAGED_BACKEND=torch"):
+            dispatch.check_kv_cache_dtype(model_dtype, kv_dtype, cpu)
+
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    cache = PagedCache(config, kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="kv_cache_dtype='float32' under a torch.float16 model"):
+        cache.plan_step(batch_size=1, q_len=3, mode="paged", device=cpu, dtype=torch.float16)
+    assert cache.seqs == [] and cache.pool.num_used_blocks == 0  # refused before anything changed
+    cache.plan_step(batch_size=1, q_len=3, mode="dense", device=cpu, dtype=torch.float16)  # dense: any dtype

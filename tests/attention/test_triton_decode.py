@@ -255,3 +255,106 @@ def test_store_kv_rejects_bad_inputs():
         store_kv(key, key, cache, cache.clone(), torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="per slot"):
         store_kv(torch.ones(3, 1, 8), torch.ones(3, 1, 8), cache, cache.clone(), torch.zeros(3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------------------------------------- #
+# K and V of different head widths, and a 16-bit KV cache under an fp32 query
+
+
+def make_unequal_kv_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, head_dim_v, dtype, seed, **extra):
+    """V rows `head_dim_v` wide: K and the query from one `make_batch`, V from another with the same
+    seed (the block tables are drawn before anything head_dim-sized, so they agree)."""
+    k_batch = make_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, dtype, seed, **extra)
+    v_batch = make_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim_v, dtype, seed, **extra)
+    assert torch.equal(k_batch.block_tables, v_batch.block_tables)
+    k_batch.value_cache = v_batch.value_cache
+    return k_batch
+
+
+# id: rows, block_size, (num_q_heads, num_kv_heads), head_dim, head_dim_v, window, softcap, sinks, num_splits
+UNEQUAL_CASES = {
+    "decode-bs16-3to1-k64-v32-3splits": (DECODE, 16, (6, 2), 64, 32, None, None, False, 3),
+    "verify-bs1-mqa-k48-v80-win-cap-sinks-1split": (VERIFY, 1, (4, 1), 48, 80, 6, 5.0, True, 1),
+    "verify-bs32-1to1-k16-v24-sinks-2splits": (VERIFY, 32, (2, 2), 16, 24, None, None, True, 2),
+}
+
+
+@pytest.mark.parametrize("case", list(UNEQUAL_CASES))
+def test_paged_decode_unequal_kv_head_dims(case):
+    """The accumulator, the split partials and the merge run at V's width (padded, masked BLOCK_DV)."""
+    rows, block_size, (num_q_heads, num_kv_heads), head_dim, head_dim_v, window, softcap, use_sinks, num_splits = \
+        UNEQUAL_CASES[case]
+    batch = make_unequal_kv_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, head_dim_v, torch.float32,
+                                  seed=len(case))
+    sinks = torch.randn(num_q_heads, generator=torch.Generator().manual_seed(5)) * 2 if use_sinks else None
+    features = dict(sliding_window=window, softcap=softcap, sinks=sinks)
+    out = run_triton(batch, head_dim ** -0.5, num_splits=num_splits, **features)
+    expected = run_reference(batch, head_dim ** -0.5, **features)
+    assert out.shape == expected.shape == (batch.query.shape[0], num_q_heads, head_dim_v)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # fp32
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_fp16_kv_cache_under_fp32_query(num_splits):
+    """kv_cache_dtype="float16" for an fp32 model: K/V tiles are upcast on load and every dot runs in
+    fp32 (IEEE), so the only error is summation order. The 1e-2 bound is the fp16 budget; the
+    upcast is exact, so in practice this agrees to fp32 accuracy."""
+    batch = make_batch(VERIFY, 16, 6, 2, 64, torch.float16, seed=12)
+    batch.query = batch.query.float() * 1.5  # fp32 queries that fp16 could not hold exactly
+    assert batch.key_cache.dtype == batch.value_cache.dtype == torch.float16
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(6))
+    out = run_triton(batch, 0.125, num_splits=num_splits, softcap=5.0, sinks=sinks)
+    expected = run_reference(batch, 0.125, softcap=5.0, sinks=sinks)  # fp32 reference on the fp16 K/V values
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)  # no fp16 rounding inside the kernel
+
+
+@pytest.mark.parametrize("row_dtype, cache_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32)])
+def test_store_kv_unequal_kv_head_dims_casts_on_store(row_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(9)
+    key_cache = torch.randn(3, 4, 2, 40, generator=gen).to(cache_dtype)
+    value_cache = torch.randn(3, 4, 2, 24, generator=gen).to(cache_dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    key = torch.randn(5, 2, 40, generator=gen).to(row_dtype)
+    value = torch.randn(5, 2, 24, generator=gen).to(row_dtype)
+    slot_mapping = torch.tensor([7, -1, 0, 11, -1])
+    store_kv(key, value, key_cache, value_cache, slot_mapping)
+    reference.store_kv(key, value, expected_k, expected_v, slot_mapping)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)  # bitwise
+    assert torch.equal(value_cache[2, 3], value[3].to(cache_dtype))
+    with pytest.raises(ValueError, match="value rows are"):
+        store_kv(key, value, key_cache, key_cache.clone(), slot_mapping)
+
+
+@pytest.mark.parametrize("query_dtype, key_dtype, value_dtype, message", [
+    (torch.float16, torch.float32, torch.float32, "or be a float32 query over a float16/bfloat16 cache"),
+    (torch.float16, torch.bfloat16, torch.bfloat16, "HF_PAGED_BACKEND=torch"),
+    (torch.float32, torch.float16, torch.float32, "key_cache and value_cache must share a dtype"),
+])
+def test_paged_decode_refuses_kv_dtypes_it_cannot_read_exactly(query_dtype, key_dtype, value_dtype, message):
+    batch = make_batch([(17, 1)], 16, 6, 2, 64, torch.float32, seed=13)
+    with pytest.raises(ValueError, match=message):
+        paged_decode(batch.query.to(query_dtype), batch.key_cache.to(key_dtype), batch.value_cache.to(value_dtype),
+                     batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, 1, 17, 0.125)
+
+
+def test_fp32_model_with_fp16_kv_cache_generates_through_triton(monkeypatch):
+    """`PagedCacheConfig(kv_cache_dtype="float16")` for an fp32 model runs through the Triton kernels
+    (store casts down, attention upcasts on load) and agrees with the torch backend reading the same
+    fp16 cache: greedy ids exactly, logits to fp32 accumulation-order error."""
+    import hf_paged
+    from tiny_models import left_padded_batch, tiny_model
+
+    model = tiny_model("llama", "hf_paged")
+    model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=16, kv_cache_dtype="float16")
+    input_ids, attention_mask = left_padded_batch([5, 19], seed=2)
+    kwargs = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    outs = {}
+    for name in ("torch", "triton"):
+        monkeypatch.setenv("HF_PAGED_BACKEND", name)
+        outs[name] = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    assert torch.equal(outs["triton"].sequences, outs["torch"].sequences)
+    for a, b in zip(outs["torch"].logits, outs["triton"].logits):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=0)  # fp32 compute on both sides

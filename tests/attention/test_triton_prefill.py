@@ -218,3 +218,64 @@ def test_rejects_bad_inputs(mutate, message):
     mutate(args)
     with pytest.raises(ValueError, match=message):
         flash_prefill(**args)
+
+
+# ---------------------------------------------------------------------------------------------- #
+# K and V of different head widths, and a 16-bit KV cache under an fp32 query
+
+
+def _make_unequal_kv_inputs(rows, block_size, num_kv_heads, group, head_dim, head_dim_v, seed, **features):
+    """V `head_dim_v` wide: everything from one `_make_inputs`, the value caches from another with the
+    same seed (the permutation and block tables are drawn before anything head_dim-sized)."""
+    kernel_args, ref_args = _make_inputs(rows, block_size, num_kv_heads, group, head_dim, torch.float32, seed,
+                                         **features)
+    kernel_v, ref_v = _make_inputs(rows, block_size, num_kv_heads, group, head_dim_v, torch.float32, seed, **features)
+    assert torch.equal(kernel_args["block_tables"], kernel_v["block_tables"])
+    kernel_args["value_cache"], ref_args["value_cache"] = kernel_v["value_cache"], ref_v["value_cache"]
+    return kernel_args, ref_args
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, block_size, num_kv_heads, group, head_dim, head_dim_v, window, softcap, sinks", [
+    (MIXED, 16, 2, 3, 64, 32, None, None, False),
+    (CHUNKED, 1, 1, 4, 48, 80, 13, 2.5, True),
+], ids=["mixed-bs16-gqa3:1-k64-v32", "chunked-bs1-mqa-k48-v80-all"])
+def test_unequal_kv_head_dims(rows, block_size, num_kv_heads, group, head_dim, head_dim_v, window, softcap, sinks):
+    """The accumulator and the output run at V's width (padded, masked BLOCK_DV); fp32 tolerance."""
+    kernel_args, ref_args = _make_unequal_kv_inputs(rows, block_size, num_kv_heads, group, head_dim, head_dim_v,
+                                                    seed=head_dim_v, sliding_window=window, softcap=softcap,
+                                                    sinks=sinks)
+    out = flash_prefill(**kernel_args)
+    assert out.shape == (kernel_args["query"].shape[0], num_kv_heads * group, head_dim_v)
+    check_against_reference(kernel_args, ref_args)
+
+
+@needs_kernel
+def test_fp16_kv_cache_under_fp32_query():
+    """kv_cache_dtype="float16" for an fp32 model: K/V tiles are upcast on load and the dots run in
+    fp32 (IEEE). The 1e-2 bound is the fp16 budget; since the upcast is exact the result in fact
+    agrees to fp32 accuracy, which the second assertion pins."""
+    kernel_args, ref_args = _make_inputs(MIXED, 16, 2, 3, 64, torch.float16, seed=11, sliding_window=20,
+                                         softcap=3.0, sinks=True)
+    for args in (kernel_args, ref_args):
+        args["query"] = args["query"].float() * 1.5  # fp32 queries that fp16 could not hold exactly
+    ref_args["key_cache"], ref_args["value_cache"] = ref_args["key_cache"].float(), ref_args["value_cache"].float()
+    assert kernel_args["key_cache"].dtype == kernel_args["value_cache"].dtype == torch.float16
+    out = flash_prefill(**kernel_args)
+    ref = reference.paged_attention(**ref_args)
+    assert out.dtype == torch.float32 and not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)  # TOLERANCES[fp32]: no fp16 rounding inside
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda a: a.update(query=a["query"].half()), "or be a float32 query over a float16/bfloat16 cache"),
+    (lambda a: a.update(key_cache=a["key_cache"].bfloat16(), value_cache=a["value_cache"].bfloat16(),
+                        query=a["query"].half()), "HF_PAGED_BACKEND=torch"),
+    (lambda a: a.update(value_cache=a["value_cache"][:, :, :1]), "head_dim_v"),
+], ids=["fp16-query-fp32-cache", "fp16-query-bf16-cache", "value-heads-mismatch"])
+def test_rejects_kv_it_cannot_read(mutate, message):
+    args = _valid_args()
+    mutate(args)
+    with pytest.raises(ValueError, match=message):
+        flash_prefill(**args)

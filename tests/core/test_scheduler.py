@@ -143,9 +143,12 @@ def check_step(sched: Scheduler, out: SchedulerOutput, held_before: dict[int, se
 
 
 def schedule(sched: Scheduler) -> SchedulerOutput:
+    """One scheduled step whose forward succeeds: its filled blocks are then published, as the
+    engine's runner does once the K/V are written."""
     held = holders(sched)
     out = sched.schedule()
     check_step(sched, out, held)
+    sched.manager.commit_full_blocks(out.new_full_blocks)
     return out
 
 

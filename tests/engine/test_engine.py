@@ -11,6 +11,7 @@ import hf_paged
 import hf_paged.integrations.batch_generate as batch_generate
 from hf_paged import Engine, SamplingParams
 from tiny_models import CONFIGS, STOCK_ATTN, VOCAB, left_padded_batch, tiny_model
+from tiny_models import CharTokenizer as _CharTokenizer
 
 NEW = 12
 LENGTHS = [5, 40, 17, 70, 1, 33, 16]
@@ -100,18 +101,6 @@ def test_stop_token_ids_and_ignore_eos():
     first = free.token_ids.index(stop_at)
     out = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, stop_token_ids=[stop_at], ignore_eos=True))[0]
     assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
-
-
-class _CharTokenizer:
-    """Token t decodes to one letter: enough to test stop strings and streamed text."""
-
-    eos_token_id = 2
-
-    def __call__(self, text):
-        return {"input_ids": [3 + (ord(c) - 97) % 26 for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + (t - 3) % 26) for t in ids)
 
 
 def test_stop_strings_cut_text_and_stream_text_deltas():

@@ -3,7 +3,6 @@ engine, rollback without leaks, and the drop-in `generate(assistant_model=...)` 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -14,32 +13,14 @@ from hf_paged.spec_decode import (
     NgramProposer,
     expected_tokens_per_forward,
     layer_skip_draft,
-    rejection_sample,
+    target_tokens,
     verify_greedy,
 )
+from hf_paged.worker import SamplingState, sample_processed
+from stats import chi2_critical, chi2_statistic
 from tiny_models import STOCK_ATTN, VOCAB, tiny_model
 
 NEW = 16
-# Chi-square tests: significance level 0.001, critical values from the Wilson-Hilferty approximation.
-ALPHA_Z = 3.090  # standard normal quantile at 1 - 0.001
-
-
-def chi2_critical(df: int, z: float = ALPHA_Z) -> float:
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2_statistic(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    """Pearson's statistic, cells with expected count < 5 pooled into one; returns (stat, df)."""
-    n = counts.sum().item()
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big].double(), counts[~big].double().sum()[None]])
-    exp = torch.cat([expected[big].double(), expected[~big].double().sum()[None]])
-    keep = exp > 0
-    stat = (((obs - exp) ** 2) / exp)[keep].sum().item()
-    return stat, int(keep.sum().item()) - 1
-
-
 # ---------------------------------------------------------------------------------------- pure functions
 def test_verify_greedy_prefix_bonus_and_first_mismatch():
     assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
@@ -58,23 +39,39 @@ def _random_dists(k: int, vocab: int, seed: int):
     return p, q, drafts
 
 
+def _verify_sampled(p: torch.Tensor, drafts: list[int], seed: int) -> list[int]:
+    """The engine's sampled verification on given target probabilities ([k + 1, vocab])."""
+    state = SamplingState(params=SamplingParams(temperature=1.0), seed=seed, token_ids=[0], num_output_tokens=0,
+                          end_token_ids=[])
+    return verify_greedy(target_tokens(p.log(), state, drafts), drafts)
+
+
+def _coupled_draft(q: torch.Tensor, seed: int) -> list[int]:
+    """Drafts sampled from q with the target's keyed noise at the same positions (as the draft-model
+    proposer does)."""
+    return [sample_processed(q[j].log(), SamplingState(params=SamplingParams(temperature=1.0), seed=seed,
+                                                       token_ids=[0] * (1 + j), num_output_tokens=j,
+                                                       end_token_ids=[]))
+            for j in range(q.shape[0])]
+
+
 @pytest.mark.parametrize("one_hot", [False, True])
-def test_rejection_sampling_matches_the_target_distribution(one_hot):
-    """First emitted token ~ p_0 and, given it equals draft 1, the second ~ p_1, whatever q is.
-    Draws are redrawn drafts from q each trial (as a proposer would), 20k trials, seed fixed."""
+def test_sampled_verification_matches_the_target_distribution(one_hot):
+    """First emitted token ~ p_0 and, given it equals draft 1, the second ~ p_1, whatever the drafts
+    are: drafts coupled to the target's noise (a draft model), or fixed / random ones (prompt lookup).
+    20k trials, one seed each."""
     vocab, k, trials = 6, 2, 20000
     p, q, _ = _random_dists(k, vocab, seed=3)
     g = torch.Generator().manual_seed(11)
     first = torch.zeros(vocab, dtype=torch.long)
     second_given = torch.zeros(vocab, dtype=torch.long)
     fixed_d1 = 2
-    for _ in range(trials):
+    for seed in range(trials):
         if one_hot:
             drafts = [fixed_d1, int(torch.randint(vocab, (1,), generator=g))]
-            out = rejection_sample(p, None, drafts, g)
         else:
-            drafts = [int(torch.multinomial(q[j], 1, generator=g)) for j in range(k)]
-            out = rejection_sample(p, q, drafts, g)
+            drafts = _coupled_draft(q, seed)
+        out = _verify_sampled(p, drafts, seed)
         assert 1 <= len(out) <= k + 1
         first[out[0]] += 1
         if len(out) > 1 and out[0] == drafts[0] == fixed_d1:
@@ -89,13 +86,25 @@ def test_rejection_sampling_matches_the_target_distribution(one_hot):
         assert stat > chi2_critical(df)
 
 
-def test_rejection_sampling_accepts_everything_when_draft_equals_target():
+def test_sampled_verification_accepts_everything_when_draft_equals_target():
     p, _, _ = _random_dists(3, 8, seed=5)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        drafts = [int(torch.multinomial(p[j], 1, generator=g)) for j in range(3)]
-        out = rejection_sample(p, p[:3], drafts, g)
+    for seed in range(50):
+        drafts = _coupled_draft(p[:3], seed)
+        out = _verify_sampled(p, drafts, seed)
         assert out[:3] == drafts and len(out) == 4
+
+
+def test_sampled_verification_equals_sampling_without_drafts():
+    """Whatever the drafts, each committed token is the one the request samples without speculation
+    at that position: a seeded request's output cannot depend on how many drafts it got."""
+    p, q, _ = _random_dists(3, 8, seed=7)
+    for seed in range(200):
+        for drafts in (_coupled_draft(q, seed), [1, 2, 3], []):
+            out = _verify_sampled(p[: len(drafts) + 1], drafts, seed)
+            expected = [sample_processed(p[j].log(), SamplingState(
+                params=SamplingParams(temperature=1.0), seed=seed, token_ids=[0] * (1 + j), num_output_tokens=j,
+                end_token_ids=[])) for j in range(len(out))]
+            assert out == expected
 
 
 def test_ngram_lookup():
@@ -283,3 +292,23 @@ def test_generate_with_assistant_or_prompt_lookup_for_a_batch():
                    dict(assistant_model=layer_skip_draft(model, 1), num_assistant_tokens=4)):
         out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=NEW, **kwargs)
         assert torch.equal(out, ref), kwargs
+
+
+def test_a_seeded_request_samples_the_same_tokens_with_any_number_of_drafts():
+    """Counter-based draws: plain decoding, prompt lookup with k = 1 or 4, a draft model, a tight
+    token budget that cuts drafts short, and batch mates all give the seeded request the same tokens."""
+    prompts = _prompts()
+    model = tiny_model("llama", "hf_paged")
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True, temperature=1.0, seed=77)
+    others = [SamplingParams(max_new_tokens=NEW + i, temperature=0.8, seed=i) for i in range(len(prompts) - 1)]
+    alone = Engine(model).generate(prompts[:1], params)[0].token_ids
+    setups = [dict(speculative_method="ngram", num_speculative_tokens=1),
+              dict(speculative_method="ngram", num_speculative_tokens=4),
+              dict(speculative_method="ngram", num_speculative_tokens=4, max_num_batched_tokens=9),
+              dict(draft_model=tiny_model("llama", "hf_paged", seed=3), num_speculative_tokens=3)]
+    for setup in setups:
+        engine = Engine(model, **setup)
+        assert engine.generate(prompts[:1], params)[0].token_ids == alone, setup
+        batched = engine.generate(prompts, [params] + others)
+        assert batched[0].token_ids == alone, setup
+        assert engine.metrics()["vllm:spec_decode_num_drafts"] > 0

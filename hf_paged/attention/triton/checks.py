@@ -7,23 +7,35 @@ from dataclasses import dataclass
 import torch
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
 class AttentionShapes:
     num_tokens: int
     num_q_heads: int
-    head_dim: int
+    head_dim: int  # of the query and the keys
     num_seqs: int
     block_size: int
     num_kv_heads: int
+    head_dim_v: int  # of the values and the output
+
+
+def can_read_kv_dtype(query_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the kernels can attend with a `query_dtype` query over a `kv_dtype` K/V cache.
+
+    K/V tiles are cast to the query's dtype right after they are loaded, so a 16-bit cache under an
+    fp32 query is read exactly (fp16/bf16 -> fp32 loses nothing). The other mixes (a wider cache, or
+    fp16 against bf16) would round K/V on every read, so they are refused rather than silently lossy.
+    """
+    return kv_dtype == query_dtype or (query_dtype == torch.float32 and kv_dtype in _HALF_DTYPES)
 
 
 def check_attention_inputs(
     kernel: str,
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
@@ -43,22 +55,27 @@ def check_attention_inputs(
 
     if query.dim() != 3:
         fail(f"query must be [num_tokens, num_q_heads, head_dim], got {tuple(query.shape)}")
-    if key_cache.dim() != 4 or value_cache.shape != key_cache.shape:
-        fail("key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-             f"got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key_cache.dim() != 4 or value_cache.dim() != 4 or value_cache.shape[:3] != key_cache.shape[:3]:
+        fail("key_cache and value_cache must be [num_blocks, block_size, num_kv_heads, head_dim] and "
+             f"[num_blocks, block_size, num_kv_heads, head_dim_v], got {tuple(key_cache.shape)} and "
+             f"{tuple(value_cache.shape)}")
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    head_dim_v = value_cache.shape[3]
     if cache_head_dim != head_dim:
-        fail(f"query head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if head_dim > max_head_dim:
-        fail(f"head_dim {head_dim} > {max_head_dim} is not supported")
+        fail(f"query head_dim {head_dim} != key_cache head_dim {cache_head_dim}")
+    if max(head_dim, head_dim_v) > max_head_dim:
+        fail(f"head_dim {head_dim} / head_dim_v {head_dim_v} > {max_head_dim} is not supported")
     if num_kv_heads == 0 or num_q_heads % num_kv_heads:
         fail(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if query.dtype not in _FLOAT_DTYPES:
         fail(f"query must be float16, bfloat16 or float32, got {query.dtype}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        fail(f"query, key_cache and value_cache must share a dtype, got {query.dtype}, {key_cache.dtype}, "
-             f"{value_cache.dtype}")
+    if key_cache.dtype != value_cache.dtype:
+        fail(f"key_cache and value_cache must share a dtype, got {key_cache.dtype} and {value_cache.dtype}")
+    if not can_read_kv_dtype(query.dtype, key_cache.dtype):
+        fail(f"query, key_cache and value_cache must share a dtype (or be a float32 query over a float16/"
+             f"bfloat16 cache), got {query.dtype} and {key_cache.dtype}; use kv_cache_dtype='auto' or "
+             "HF_PAGED_BACKEND=torch")
     for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
         if t.stride(-1) != 1:
             fail(f"{name} must be contiguous in its last (head_dim) dimension, strides {t.stride()}")
@@ -87,4 +104,4 @@ def check_attention_inputs(
         devices.add(sinks.device)
     if len(devices) != 1:
         fail(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    return AttentionShapes(num_tokens, num_q_heads, head_dim, num_seqs, block_size, num_kv_heads)
+    return AttentionShapes(num_tokens, num_q_heads, head_dim, num_seqs, block_size, num_kv_heads, head_dim_v)

@@ -17,7 +17,9 @@ a GPU busy and the work must be spread over the key axis instead.
             Merges the splits' partials by their log-sum-exps, with the sink as one more logit.
 
 Scores live in the log2 domain (`s * log2(e)`) so the softmax uses `exp2`; the log-sum-exps in the
-partial buffers are log2 too.
+partial buffers are log2 too. K/V tiles are cast to the query's dtype as they are loaded (a 16-bit
+cache under an fp32 query), and V may be narrower or wider than Q/K (`head_dim_v`, BLOCK_DV): the
+accumulator, the partials and the output have V's width.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import triton.language as tl
 from .checks import check_attention_inputs
 
 LOG2E = 1.4426950408889634
-# Cap on query tokens x group heads per program (the M of tl.dot), by padded head_dim: keeps the
-# fp32 accumulator [BLOCK_M, BLOCK_D] at <= 64 KiB of registers per program.
+# Cap on query tokens x group heads per program (the M of tl.dot), by padded head_dim (the wider of
+# K and V): keeps the fp32 accumulator [BLOCK_M, BLOCK_DV] and the query tile at <= 64 KiB of
+# registers per program each.
 _MAX_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}
 _MAX_SPLITS = 64
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
@@ -64,13 +67,13 @@ def _key_range(seq_len, q_len, q_start, window, Q_PER_TILE: tl.constexpr, BLOCK_
 def _paged_decode_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
     sinks_ptr,  # [num_q_heads], read only if HAS_SINKS
-    out_ptr,  # [num_tokens, num_q_heads, head_dim], written only if NUM_SPLITS == 1
-    partial_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] fp32, if NUM_SPLITS > 1
+    out_ptr,  # [num_tokens, num_q_heads, head_dim_v], written only if NUM_SPLITS == 1
+    partial_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim_v] fp32, if NUM_SPLITS > 1
     partial_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32 (log2), if NUM_SPLITS > 1
     stride_q_token, stride_q_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
@@ -81,6 +84,7 @@ def _paged_decode_kernel(
     num_tokens,
     num_q_heads,
     head_dim,
+    head_dim_v,
     num_q_tiles,
     scale,
     softcap,
@@ -89,7 +93,8 @@ def _paged_decode_kernel(
     Q_PER_TILE: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # >= Q_PER_TILE * GROUP, power of two, >= 16
     BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # head_dim padded to a power of two >= 16
+    BLOCK_DV: tl.constexpr,  # head_dim_v padded to a power of two >= 16
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -117,6 +122,8 @@ def _paged_decode_kernel(
     q_pos = seq_len - q_len + q_start + row_token  # [BLOCK_M]
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < head_dim
+    dims_v = tl.arange(0, BLOCK_DV)
+    dim_v_valid = dims_v < head_dim_v
 
     q = tl.load(
         query_ptr + token[:, None] * stride_q_token + head[:, None] * stride_q_head + dims[None, :],
@@ -130,7 +137,7 @@ def _paged_decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kc_head = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
     vc_head = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_head
@@ -141,15 +148,15 @@ def _paged_decode_kernel(
         # Table entries past the sequence may be garbage: they are masked, never dereferenced.
         block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
-        kv_mask = k_valid[:, None] & dim_valid[None, :]
+        # Cast to the query's dtype on load: a 16-bit cache under an fp32 query is upcast exactly.
         k = tl.load(
             kc_head + block[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot + dims[None, :],
-            mask=kv_mask, other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+            mask=k_valid[:, None] & dim_valid[None, :], other=0.0,
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         v = tl.load(
-            vc_head + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + dims[None, :],
-            mask=kv_mask, other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
+            vc_head + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + dims_v[None, :],
+            mask=k_valid[:, None] & dim_v_valid[None, :], other=0.0,
+        ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
@@ -169,7 +176,7 @@ def _paged_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out_mask = row_valid[:, None] & dim_valid[None, :]
+    out_mask = row_valid[:, None] & dim_v_valid[None, :]
     if NUM_SPLITS == 1:
         if HAS_SINKS:
             sink = tl.load(sinks_ptr + head * stride_sinks, mask=row_valid, other=0.0).to(tl.float32)
@@ -181,7 +188,7 @@ def _paged_decode_kernel(
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o = acc / l_safe[:, None]
         tl.store(
-            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims[None, :],
+            out_ptr + token[:, None] * stride_out_token + head[:, None] * stride_out_head + dims_v[None, :],
             o.to(out_ptr.dtype.element_ty), mask=out_mask,
         )
     else:
@@ -190,32 +197,32 @@ def _paged_decode_kernel(
         o = acc / l_safe[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         row = (split * num_tokens + token) * num_q_heads + head  # [BLOCK_M] int64
-        tl.store(partial_out_ptr + row[:, None] * head_dim + dims[None, :], o, mask=out_mask)
+        tl.store(partial_out_ptr + row[:, None] * head_dim_v + dims_v[None, :], o, mask=out_mask)
         tl.store(partial_lse_ptr + row, lse, mask=row_valid)
 
 
 @triton.jit
 def _merge_splits_kernel(
-    partial_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim] fp32
+    partial_out_ptr,  # [num_splits, num_tokens, num_q_heads, head_dim_v] fp32
     partial_lse_ptr,  # [num_splits, num_tokens, num_q_heads] fp32 (log2)
     sinks_ptr,  # [num_q_heads], read only if HAS_SINKS
-    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    out_ptr,  # [num_tokens, num_q_heads, head_dim_v]
     stride_out_token, stride_out_head,
     stride_sinks,
     num_tokens,
     num_q_heads,
-    head_dim,
+    head_dim_v,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= NUM_SPLITS
-    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # head_dim_v padded to a power of two
     HAS_SINKS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     split_valid = splits < NUM_SPLITS
-    dims = tl.arange(0, BLOCK_D)
-    dim_valid = dims < head_dim
+    dims = tl.arange(0, BLOCK_DV)
+    dim_valid = dims < head_dim_v
 
     row = (splits * num_tokens + token) * num_q_heads + head  # [BLOCK_S]
     lse = tl.load(partial_lse_ptr + row, mask=split_valid, other=float("-inf"))
@@ -228,9 +235,9 @@ def _merge_splits_kernel(
     weight = tl.exp2(lse - m)  # [BLOCK_S], 0 for empty splits
     total = tl.sum(weight, axis=0) + tl.exp2(sink - m)
     o = tl.load(
-        partial_out_ptr + row[:, None] * head_dim + dims[None, :],
+        partial_out_ptr + row[:, None] * head_dim_v + dims[None, :],
         mask=split_valid[:, None] & dim_valid[None, :], other=0.0,
-    )  # [BLOCK_S, BLOCK_D]
+    )  # [BLOCK_S, BLOCK_DV]
     o = tl.sum(o * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_out_token + head * stride_out_head + dims, o.to(out_ptr.dtype.element_ty),
              mask=dim_valid)
@@ -284,7 +291,7 @@ def default_num_splits(
 def paged_decode(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
@@ -295,7 +302,7 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
     num_splits: int | None = None,
-) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's few new queries over its paged K/V, split along the keys.
 
     Same semantics as `reference.paged_attention` (query `i` of sequence `b` sits at position
@@ -307,7 +314,9 @@ def paged_decode(
 
     Args:
         query: `[num_tokens, num_q_heads, head_dim]` fp16/bf16/fp32, last dim contiguous.
-        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`, query's dtype.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and
+            `[..., head_dim_v]` (V's width may differ), in the query's dtype, or fp16/bf16 under an
+            fp32 query (upcast on load).
         block_tables: `[num_seqs, max_blocks_per_seq]` int32; entries past a sequence's length are
             never read, so they may hold anything.
         seq_lens: `[num_seqs]` int32. cu_seqlens_q: `[num_seqs + 1]` int32.
@@ -317,7 +326,7 @@ def paged_decode(
         num_splits: splits of the key axis; None picks `default_num_splits`.
 
     Returns:
-        `[num_tokens, num_q_heads, head_dim]` in query's dtype.
+        `[num_tokens, num_q_heads, head_dim_v]` in query's dtype.
     """
     shapes = check_attention_inputs("paged_decode", query, key_cache, value_cache, block_tables, seq_lens,
                                     cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks)
@@ -325,30 +334,32 @@ def paged_decode(
         raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
+    head_dim_v = shapes.head_dim_v
 
-    out = query.new_empty(num_tokens, num_q_heads, head_dim)
+    out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
     if num_tokens == 0 or max_seqlen_k == 0 or num_seqs == 0:
         return out.zero_()
 
     group = num_q_heads // num_kv_heads
-    block_d = _block_d(head_dim)
-    q_per_tile, block_m = _query_tiling(max_seqlen_q, group, block_d)
+    block_d, block_dv = _block_d(head_dim), _block_d(head_dim_v)
+    block_wide = max(block_d, block_dv)  # tiles are sized for the wider of the K and V rows
+    q_per_tile, block_m = _query_tiling(max_seqlen_q, group, block_wide)
     num_q_tiles = triton.cdiv(max_seqlen_q, q_per_tile)
     if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, head_dim, max_seqlen_q, max_seqlen_k,
-                                        query.device, sliding_window)
+        num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, max(head_dim, head_dim_v),
+                                        max_seqlen_q, max_seqlen_k, query.device, sliding_window)
     num_splits = int(num_splits)
-    block_n = 64 if block_d <= 128 else 32
-    num_warps = 4 if block_m * block_d <= 64 * 128 else 8
+    block_n = 64 if block_wide <= 128 else 32
+    num_warps = 4 if block_m * block_wide <= 64 * 128 else 8
     # Software pipelining buffers K and V tiles in shared memory per stage: 3 stages of 32 KiB, or 2
     # when a stage is bigger (fp32, head_dim 256), to stay well inside ~227 KiB.
-    stage_bytes = 2 * block_n * block_d * query.element_size()
+    stage_bytes = block_n * (block_d + block_dv) * key_cache.element_size()
     num_stages = 3 if stage_bytes <= 32 * 1024 else 2
 
     if num_splits == 1:
         partial_out = partial_lse = out  # unused
     else:
-        partial_out = torch.empty(num_splits, num_tokens, num_q_heads, head_dim, device=query.device,
+        partial_out = torch.empty(num_splits, num_tokens, num_q_heads, head_dim_v, device=query.device,
                                   dtype=torch.float32)
         partial_lse = torch.empty(num_splits, num_tokens, num_q_heads, device=query.device, dtype=torch.float32)
     sinks_arg = sinks if sinks is not None else out  # unused without HAS_SINKS
@@ -366,6 +377,7 @@ def paged_decode(
         num_tokens,
         num_q_heads,
         head_dim,
+        head_dim_v,
         num_q_tiles,
         float(scale),
         float(softcap) if softcap is not None else 1.0,
@@ -375,6 +387,7 @@ def paged_decode(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
+        BLOCK_DV=block_dv,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         HAS_WINDOW=sliding_window is not None,
@@ -391,10 +404,10 @@ def paged_decode(
             stride_sinks,
             num_tokens,
             num_q_heads,
-            head_dim,
+            head_dim_v,
             NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
-            BLOCK_D=block_d,
+            BLOCK_DV=block_dv,
             HAS_SINKS=sinks is not None,
         )
     return out

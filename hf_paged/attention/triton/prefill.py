@@ -28,6 +28,9 @@ Work split (one program = one query tile x one KV head):
   softmax in the log2 domain. Key tiles that are fully masked are never visited: the loop stops
   at the tile's last query position (causal end) and, with a sliding window, starts at the tile
   holding the first position the earliest query of the tile can still see.
+* K/V tiles are cast to the query's dtype as they are loaded (a 16-bit cache under an fp32 query).
+  V may be narrower or wider than Q/K (`head_dim_v`, BLOCK_DV): the accumulator and the output
+  have V's width.
 """
 
 from __future__ import annotations
@@ -70,10 +73,10 @@ def _find_seq(
 
 @triton.jit
 def _flash_prefill_kernel(
-    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    out_ptr,  # [num_tokens, num_q_heads, head_dim_v]
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -85,6 +88,7 @@ def _flash_prefill_kernel(
     sliding_window,  # int: window w, key p visible iff p > pos - w (read only if HAS_WINDOW)
     block_size,
     head_dim,
+    head_dim_v,
     stride_ot, stride_oh,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -96,6 +100,7 @@ def _flash_prefill_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile, power of two >= BLOCK_Q * GROUP and >= 16
     BLOCK_N: tl.constexpr,  # key positions per inner step, power of two >= 16
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two >= 16
+    BLOCK_DV: tl.constexpr,  # head_dim_v padded to a power of two >= 16
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
@@ -120,6 +125,8 @@ def _flash_prefill_kernel(
     q_pos = context_len + q_idx  # [BLOCK_M] absolute position of each row's token
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < head_dim
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_valid = offs_dv < head_dim_v
     token = (q_start + q_idx).to(tl.int64)
     row_valid = row_valid & (token < num_tokens)  # a cu_seqlens_q past num_tokens never writes out of bounds
 
@@ -135,7 +142,7 @@ def _flash_prefill_kernel(
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     # Key range that any valid row of this tile can see; tiles outside it are skipped entirely.
     tile_q_last = tl.minimum(tile_q_start + BLOCK_Q, q_len) - 1
@@ -155,8 +162,9 @@ def _flash_prefill_kernel(
         k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N]
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh  # [BLOCK_N]
 
+        # Cast to the query's dtype on load: a 16-bit cache under an fp32 query is upcast exactly.
         k_t = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None],
-                      mask=d_valid[:, None] & k_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+                      mask=d_valid[:, None] & k_valid[None, :], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if HAS_SOFTCAP:
             s = softcap * _tanh(s * (scale / softcap)) * LOG2E
@@ -174,21 +182,26 @@ def _flash_prefill_kernel(
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
 
-        v = tl.load(value_cache_ptr + v_off[:, None] + offs_d[None, :],
-                    mask=k_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(value_cache_ptr + v_off[:, None] + offs_dv[None, :],
+                    mask=k_valid[:, None] & dv_valid[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Valid rows always see their own position (l_i > 0); the guard only keeps padding rows finite.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(out_ptr + token[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dv_valid[None, :])
+
+
+def _padded_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _pick_tiles(head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a launch. Heuristic, not tuned on GPU."""
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a launch, `head_dim` being the wider of the
+    K and V rows. Heuristic, not tuned on GPU."""
+    block_d = _padded_dim(head_dim)
     rows = 64  # target rows per tile: the tutorial's sweet spot for d <= 128 on Hopper/Ampere
     block_n = 64 if block_d <= 128 else 32  # d = 256: keep the K/V tiles and acc within registers
     num_warps = 4 if block_d <= 64 else 8
@@ -202,7 +215,7 @@ def _pick_tiles(head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int,
 def flash_prefill(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32, tokens in the cache incl. this step's
     cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
@@ -212,13 +225,14 @@ def flash_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
-) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Varlen causal flash attention over the paged KV cache; see `reference.paged_attention`.
 
     Args:
         query: packed queries of all sequences; `cu_seqlens_q[-1]` must equal `num_tokens` (not
             checked: that needs a device sync; rows past `num_tokens` are dropped, never written).
-        key_cache, value_cache: the paged cache, already holding this step's K/V.
+        key_cache, value_cache: the paged cache, already holding this step's K/V; V's head width
+            may differ from K's. The query's dtype, or fp16/bf16 under an fp32 query (upcast on load).
         block_tables: physical block of each logical block; slots past a sequence's length are
             never read, so they may hold anything.
         seq_lens: cache length of each sequence including this step's tokens (`>= q_len`).
@@ -231,33 +245,35 @@ def flash_prefill(
         sinks: per-query-head logit added to the softmax denominator only.
 
     Returns:
-        Tensor of `query`'s shape and dtype.
+        `[num_tokens, num_q_heads, head_dim_v]` in `query`'s dtype.
     """
     shapes = check_attention_inputs("flash_prefill", query, key_cache, value_cache, block_tables, seq_lens,
                                     cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks)
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
+    head_dim_v = shapes.head_dim_v
 
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
     if num_tokens == 0 or num_seqs == 0:
         return out.zero_()
 
     group = num_q_heads // num_kv_heads
-    block_q, block_m, block_n, block_d, num_warps = _pick_tiles(head_dim, group, max_seqlen_q)
+    block_q, block_m, block_n, _, num_warps = _pick_tiles(max(head_dim, head_dim_v), group, max_seqlen_q)
+    block_d, block_dv = _padded_dim(head_dim), _padded_dim(head_dim_v)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _flash_prefill_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         sinks if sinks is not None else out,  # dummy pointer, never read
         num_seqs, num_tokens, float(scale), float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
-        block_size, head_dim,
+        block_size, head_dim, head_dim_v,
         out.stride(0), out.stride(1),
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0),
         sinks.stride(0) if sinks is not None else 0,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=num_warps,

@@ -1,0 +1,415 @@
+"""IncrementalDetokenizer with the real SmolLM2-135M-Instruct tokenizer (byte-level BPE).
+
+Outputs are encoded strings fed one id at a time after a chat-template prompt, as a model would
+produce them. Loading the tokenizer from the converted checkpoint takes well under a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_paged.defaults.models import DefaultModelNotInstalledError, ensure_default_checkpoint
+from hf_paged.engine import detokenizer
+from hf_paged.engine.detokenizer import (
+    MAX_PENDING_TOKENS,
+    NUM_PROMPT_CONTEXT_TOKENS,
+    IncrementalDetokenizer,
+    find_stop_string,
+)
+
+R = "\ufffd"
+MULTILINGUAL = (
+    "Привет 🙂 世界! 👩‍👩‍👧‍👦 and 🇫🇷 flags. 日本語のテキストと中文。 नमस्ते दुनिया, 한국어 텍스트, "
+    "Ελληνικά, مرحبا بالعالم, café naïve — “quotes” …\n\tindented  double  spaces  \n"
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    try:
+        path = ensure_default_checkpoint()
+    except DefaultModelNotInstalledError as error:
+        pytest.skip(str(error))
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    messages = [{"role": "user", "content": "Say something in several languages."}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"])
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def stream(tokenizer, prompt, ids, **kwargs):
+    """Feeds `ids` one by one, stopping at a stop string; returns (detokenizer, add deltas, finish delta)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, **kwargs)
+    deltas = []
+    for token_id in ids:
+        deltas.append(detok.add(token_id))
+        assert detok.text == "".join(deltas)  # the deltas join to the text at every moment
+        if detok.stop_hit is not None:
+            break
+    last = detok.finish()
+    assert detok.text == "".join(deltas) + last
+    return detok, deltas, last
+
+
+def byte_token_ids(tokenizer) -> dict[int, int]:
+    """Byte value -> id of the byte-level BPE token holding just that byte (GPT-2's byte alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {b: tokenizer.convert_tokens_to_ids(c) for b, c in chars.items()}
+
+
+# --- plain streaming ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Привет 🙂 世界",
+        "👩‍👩‍👧‍👦",
+        "👩‍👩‍👧‍👦👨‍👩‍👦 🏳️‍🌈",
+        "日本語のテキストと中文の文章です。",
+        " leading space, then  two, then\ttab and\nnewline ",
+        "   three leading spaces",
+        "नमस्ते दुनिया",
+        MULTILINGUAL,
+    ],
+)
+def test_streams_text_exactly(tokenizer, prompt, text):
+    ids = encode(tokenizer, text)
+    detok, deltas, last = stream(tokenizer, prompt, ids)
+    assert not any(R in delta for delta in [*deltas, last])
+    assert last == ""  # valid text is fully shown by add() already
+    assert detok.text == text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_matches_decode_with_the_configured_space_cleanup(tokenizer, prompt):
+    """SmolLM2 sets clean_up_tokenization_spaces=False, and transformers 5 ignores True for BPE
+    tokenizers, so spaces before punctuation survive decode, and the stream keeps them too."""
+    text = "Hello . It 's fine , isn 't it ? Yes !"
+    ids = encode(tokenizer, text)
+    detok, _, _ = stream(tokenizer, prompt, ids)
+    assert tokenizer.clean_up_tokenization_spaces is False
+    assert detok.text == text == tokenizer.decode(ids) == tokenizer.decode(ids, clean_up_tokenization_spaces=True)
+
+
+def test_character_shows_once_its_last_byte_arrives(tokenizer, prompt):
+    ids = encode(tokenizer, "👩‍👧")  # 👩, zero-width joiner, 👧: each split over several byte tokens
+    assert len(ids) > 3
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    shown = [detok.add(i) for i in ids]
+    assert [s for s in shown if s] == ["👩", "\u200d", "👧"]
+    assert detok.finish() == ""
+
+
+def test_first_token_keeps_its_leading_space(tokenizer, prompt):
+    ids = encode(tokenizer, " Hello world")
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    assert detok.add(ids[0]) == " Hello"
+    assert detok.add(ids[1]) == " world"
+
+
+def test_empty_prompt_and_empty_output(tokenizer, prompt):
+    for stops in ((), ("STOP",)):
+        detok = IncrementalDetokenizer(tokenizer, prompt, stop_strings=stops)
+        assert (detok.finish(), detok.text, detok.stop_hit) == ("", "", None)
+    detok, deltas, last = stream(tokenizer, [], encode(tokenizer, " Привет"))
+    assert detok.text == " Привет"
+
+
+def test_prompt_ending_inside_a_character(tokenizer):
+    """A prompt whose last bytes start a character: the output is decoded without that context."""
+    ids = encode(tokenizer, "🙂🙂")
+    cut = 1  # the prompt holds only the first byte token of the first emoji
+    detok, deltas, last = stream(tokenizer, ids[:cut], ids[cut:])
+    assert detok.text == tokenizer.decode(ids[cut:])  # leading orphan bytes show as '\ufffd'
+
+
+# --- special tokens -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_follow_skip_special_tokens(tokenizer, prompt, skip):
+    im_end, endoftext = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    ids = encode(tokenizer, "Hi there") + [im_end, endoftext] + encode(tokenizer, " more 世界") + [im_end]
+    detok, deltas, last = stream(tokenizer, prompt, ids, skip_special_tokens=skip)
+    assert detok.text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in detok.text) is (not skip)
+    assert ("<|endoftext|>" in detok.text) is (not skip)
+
+
+def test_skipped_special_tokens_do_not_widen_the_window(tokenizer, prompt):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    spy = DecodeSpy(tokenizer)
+    detok = IncrementalDetokenizer(spy, prompt)
+    spy.calls.clear()
+    for _ in range(100):
+        assert detok.add(im_end) == ""
+    assert spy.calls == []
+    assert detok.add(encode(tokenizer, " ok")[0]) == " ok"
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_stop_string_on_special_token_text(tokenizer, prompt, skip):
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids = encode(tokenizer, "Done.") + [im_end] + encode(tokenizer, " after")
+    detok, deltas, last = stream(tokenizer, prompt, ids, skip_special_tokens=skip, stop_strings=["<|im_end|>"])
+    if skip:  # the special token has no text, so it cannot match
+        assert (detok.text, detok.stop_hit) == ("Done. after", None)
+    else:
+        assert (detok.text, detok.stop_hit) == ("Done.", "<|im_end|>")
+
+
+# --- stop strings -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "stop"),
+    [
+        ("Привет 🙂 世界! Пока", "世界"),  # two CJK characters over five byte tokens
+        ("Привет 🙂 世界! Пока", "界"),  # its first byte shares no token with the text before
+        ("This is the end of it", "the end"),  # several whole tokens
+        ("This is the end of it", "he en"),  # begins and ends inside tokens
+        ("नमस्ते दुनिया", "दुनिया"),  # its first byte arrives in one token with the space before it
+        ("한국어 텍스트 more", "텍스트"),
+        ("👩‍👩‍👧‍👦 family", "👧"),  # inside an emoji ZWJ sequence
+        ("👩‍👩‍👧‍👦 family", "\u200d👧"),  # begins with the joiner
+    ],
+)
+def test_stop_string_cuts_the_text(tokenizer, prompt, text, stop):
+    ids = encode(tokenizer, text)
+    detok, deltas, last = stream(tokenizer, prompt, ids, stop_strings=[stop])
+    full = tokenizer.decode(ids)
+    assert detok.stop_hit == stop
+    assert detok.text == full[: full.index(stop)]
+    assert not any(R in delta for delta in [*deltas, last])
+    # Nothing of the stop string was ever shown: every delta lies inside the cut text.
+    assert "".join(deltas) == detok.text and last == ""
+    with pytest.raises(RuntimeError, match="already matched"):
+        detok.add(ids[-1])
+    assert detok.finish() == ""
+
+
+def test_stop_prefix_is_held_then_released(tokenizer, prompt):
+    ids = encode(tokenizer, "Hello there")
+    assert len(ids) == 2
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop_strings=["Hello world"])
+    assert detok.add(ids[0]) == ""  # "Hello" may become "Hello world"
+    assert detok.add(ids[1]) == "Hello there"  # " there" rules it out
+    assert (detok.finish(), detok.stop_hit, detok.text) == ("", None, "Hello there")
+
+
+def test_only_the_stop_prefix_is_held(tokenizer, prompt):
+    """Holds back the longest suffix that starts a stop string, not a fixed max_len - 1 characters."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop_strings=["<END>", "xyzzy-long-stop-string"])
+    shown = [detok.add(i) for i in encode(tokenizer, "Some text <")]
+    assert "".join(shown) == "Some text "  # only "<" is held
+    shown = [detok.add(i) for i in encode(tokenizer, "b> and x")]
+    assert "".join(shown) == "<b> and "  # "<b" ruled out "<END>"; "x" may start the long one
+
+
+def test_finish_flushes_a_pending_stop_prefix(tokenizer, prompt):
+    ids = encode(tokenizer, "Say Hello wor")
+    detok, deltas, last = stream(tokenizer, prompt, ids, stop_strings=["Hello world"])
+    assert "".join(deltas) == "Say "  # "Hello wor" may still become "Hello world"
+    assert last == "Hello wor"
+    assert detok.text == "Say Hello wor" and detok.stop_hit is None
+
+
+def test_first_completed_stop_string_wins(tokenizer, prompt):
+    ids = encode(tokenizer, "xx abcd yy")
+    detok, _, _ = stream(tokenizer, prompt, ids, stop_strings=["abcd", "bc"])
+    assert (detok.stop_hit, detok.text) == ("bc", "xx a")
+    detok, _, _ = stream(tokenizer, prompt, ids, stop_strings=["d yy", "abcd"])
+    assert (detok.stop_hit, detok.text) == ("abcd", "xx ")
+
+
+def test_stop_string_completed_by_finish(tokenizer, prompt):
+    """Bytes that never complete are flushed as '\ufffd' by finish(), and may still match."""
+    bytes_ = byte_token_ids(tokenizer)
+    ids = encode(tokenizer, "ok") + [bytes_[0xE4]]  # the first byte of a 3-byte character
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop_strings=[R])
+    assert [detok.add(i) for i in ids] == ["ok", ""]
+    assert detok.finish() == "" and (detok.stop_hit, detok.text) == (R, "ok")
+
+
+def test_find_stop_string():
+    assert find_stop_string("abcd", ["abcd", "bc"]) == (1, "bc")  # ends first
+    assert find_stop_string("abcd", ["cd", "bcd"]) == (1, "bcd")  # same end: the longer
+    assert find_stop_string("abcabc", ["abc"], start=1) == (3, "abc")
+    assert find_stop_string("abc", ["x"]) is None
+    assert find_stop_string("abc", []) is None
+
+
+def test_rejects_bad_stop_strings(tokenizer, prompt):
+    with pytest.raises(TypeError):
+        IncrementalDetokenizer(tokenizer, prompt, stop_strings="stop")
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(tokenizer, prompt, stop_strings=["ok", ""])
+
+
+def test_add_after_finish_raises(tokenizer, prompt):
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    detok.add(encode(tokenizer, "Hi")[0])
+    assert detok.finish() == "" and detok.is_finished
+    assert detok.finish() == ""
+    with pytest.raises(RuntimeError, match="after finish"):
+        detok.add(0)
+
+
+def test_replacement_char_stop_never_sees_pending_bytes(tokenizer, prompt):
+    """'\ufffd' as a stop string: half-received characters are never text, so it never matches."""
+    ids = encode(tokenizer, MULTILINGUAL)
+    detok, _, _ = stream(tokenizer, prompt, ids, stop_strings=[R])
+    assert (detok.stop_hit, detok.text) == (None, MULTILINGUAL)
+
+
+# --- invalid bytes ------------------------------------------------------------------------------
+
+
+def test_unfinished_character_is_flushed_by_finish(tokenizer, prompt):
+    bytes_ = byte_token_ids(tokenizer)
+    ids = encode(tokenizer, " ok ") + [bytes_[0xF0], bytes_[0x9F]]  # 2 of the 4 bytes of an emoji
+    detok, deltas, last = stream(tokenizer, prompt, ids)
+    assert not any(R in delta for delta in deltas)
+    assert last == R and detok.text == tokenizer.decode(ids) == " ok " + R
+
+
+def test_invalid_bytes_show_once_followed_by_text(tokenizer, prompt):
+    bytes_ = byte_token_ids(tokenizer)
+    ids = [bytes_[0xE4], *encode(tokenizer, "a")]  # a lead byte cut short by an ASCII letter
+    detok, deltas, last = stream(tokenizer, prompt, ids)
+    assert deltas == ["", R + "a"] and detok.text == tokenizer.decode(ids)
+
+
+def test_endless_invalid_bytes_keep_the_window_bounded(tokenizer, prompt):
+    bytes_ = byte_token_ids(tokenizer)
+    ids = [bytes_[0x80]] * 50  # lone continuation bytes: text that ends in '\ufffd' forever
+    spy = DecodeSpy(tokenizer)
+    detok, deltas, last = stream(spy, prompt, ids)
+    assert "".join(deltas)  # shown before finish()
+    # The window: one forced step (MAX_PENDING_TOKENS + 1 tokens) as context, plus as many pending.
+    assert max(spy.calls) <= 2 * (MAX_PENDING_TOKENS + 1)
+    assert detok.text == tokenizer.decode(ids) == R * 50
+
+
+# --- properties ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_random_text_slices_stream_exactly(tokenizer, prompt, data):
+    """Any slice of the text, streamed: no '\ufffd' ever, and the text is decode(ids) at the end."""
+    start = data.draw(st.integers(0, len(MULTILINGUAL) - 1))
+    stop = data.draw(st.integers(start + 1, len(MULTILINGUAL)))
+    ids = encode(tokenizer, MULTILINGUAL[start:stop])
+    detok, deltas, last = stream(tokenizer, prompt, ids)
+    assert not any(R in delta for delta in [*deltas, last])
+    assert detok.text == tokenizer.decode(ids) == MULTILINGUAL[start:stop]
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_random_id_slices_stream_like_decode(tokenizer, prompt, data):
+    """Slices of ids may cut characters at both ends. After each token the text is the longest
+    decoded prefix that does not end in an unfinished character; after finish(), decode(ids)."""
+    all_ids = encode(tokenizer, MULTILINGUAL)
+    start = data.draw(st.integers(0, len(all_ids) - 1))
+    stop = data.draw(st.integers(start + 1, len(all_ids)))
+    prompt_ids = prompt + all_ids[:start] if data.draw(st.booleans()) else prompt
+    ids = all_ids[start:stop]
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    expected = ""
+    for i, token_id in enumerate(ids):
+        detok.add(token_id)
+        decoded = tokenizer.decode(ids[: i + 1])
+        if not decoded.endswith(R):
+            expected = decoded
+        assert detok.text == expected
+    detok.finish()
+    assert detok.text == tokenizer.decode(ids)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_random_stop_strings_cut_like_find(tokenizer, prompt, data):
+    """A stop string drawn from the text cuts it where str.find would, and is never shown."""
+    start = data.draw(st.integers(0, len(MULTILINGUAL) - 1))
+    length = data.draw(st.integers(1, 12))
+    stop = MULTILINGUAL[start : start + length]
+    ids = encode(tokenizer, MULTILINGUAL)
+    detok, deltas, last = stream(tokenizer, prompt, ids, stop_strings=[stop])
+    assert detok.stop_hit == stop
+    assert detok.text == MULTILINGUAL[: MULTILINGUAL.index(stop)]
+    assert not any(R in delta for delta in [*deltas, last])
+
+
+# --- cost per token -----------------------------------------------------------------------------
+
+
+class DecodeSpy:
+    """Wraps a tokenizer and records how many ids each decode call gets."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self.calls: list[int] = []
+
+    def decode(self, ids, **kwargs):
+        self.calls.append(len(ids))
+        return self._tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_add_decodes_a_bounded_window(tokenizer, prompt):
+    ids = encode(tokenizer, MULTILINGUAL * 20)  # thousands of tokens
+    assert len(ids) > 2000
+    spy = DecodeSpy(tokenizer)
+    detok = IncrementalDetokenizer(spy, prompt, stop_strings=["never appears in the text"])
+    calls_per_add = []
+    for token_id in ids:
+        spy.calls = []
+        detok.add(token_id)
+        calls_per_add.append(spy.calls)
+    detok.finish()
+    assert detok.text == MULTILINGUAL * 20
+    # At most two decodes per token: the window, and the slid window once text is shown. The
+    # window holds the last shown step (the prompt context at first) and the pending tokens: a
+    # valid character spans at most 4 byte tokens.
+    assert max(map(len, calls_per_add)) <= 2
+    assert max(max(c, default=0) for c in calls_per_add) <= NUM_PROMPT_CONTEXT_TOKENS + 4
+
+
+def test_stop_search_scans_only_new_text(tokenizer, prompt, monkeypatch):
+    scanned = []
+
+    def spy(text, stop_strings, start=0):
+        scanned.append(len(text) - start)
+        return find_stop_string(text, stop_strings, start)
+
+    monkeypatch.setattr(detokenizer, "find_stop_string", spy)
+    stops = ["never appears in the text", "dox"]  # "do" of "double" is held, then released
+    text = MULTILINGUAL * 20
+    detok, deltas, last = stream(tokenizer, prompt, encode(tokenizer, text), stop_strings=stops)
+    assert detok.text == text and detok.stop_hit is None
+    longest = max(map(len, stops))
+    # Each scan covers the held tail (shorter than the longest stop) and one step's new text, so
+    # the total is the text plus a bounded overlap per token, and no scan grows with the output.
+    assert sum(scanned) <= len(text) + (longest - 1) * len(scanned)
+    assert max(scanned) < longest + 32

@@ -1,0 +1,158 @@
+"""Multi-head latent attention (DeepSeek-V2 / DeepSeek-V3) over a `PagedCache`.
+
+These models cache, per token and layer, a compressed latent (`kv_lora_rank` wide) in the K slot and
+the shared rotary key (`qk_rope_head_dim` wide) in the V slot, one head each, and expand them into
+per-head K/V inside their attention module after `cache.update`. So the cache stores K and V at
+their own widths, attention runs dense over the gathered latents, and the Engine (whose packed
+steps need the paged kernels) refuses them with a ValueError that says what to use instead.
+
+The oracle is stock `generate` (sdpa, DynamicCache): greedy token ids identical, logits within fp32
+tolerance (observed: bitwise equal, since the dense path runs the same sdpa on the same latents).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+import hf_paged
+from hf_paged import Engine
+from hf_paged.attention import dispatch
+from hf_paged.hf.cache import PagedCache
+from hf_paged.planner import sizing
+from tiny_models import MLA_CONFIGS, cache_of, left_padded_batch, tiny_mla_model, with_cache
+
+ARCHS = sorted(MLA_CONFIGS)
+LENGTHS = [5, 17, 33, 16]  # cross block boundaries for block_size 1 and 16
+NEW_TOKENS = 12
+LOGITS_ATOL = 1e-5  # fp32 on both sides, same sdpa over the same latents
+ENGINE_MESSAGE = r"cannot serve multi-head latent attention .*hf_paged_use_engine = False.*attn_implementation='sdpa'"
+
+
+def _generate(model, input_ids, attention_mask, **kwargs):
+    return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=NEW_TOKENS,
+                          min_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+
+
+def _with_logits(model, input_ids, attention_mask, **kwargs):
+    # output_logits makes hf_paged's drop-in generate take stock generation (with a PagedCache)
+    return _generate(model, input_ids, attention_mask, output_logits=True, return_dict_in_generate=True, **kwargs)
+
+
+def _assert_same(ref, out):
+    assert torch.equal(ref.sequences, out.sequences)
+    for step, (a, b) in enumerate(zip(ref.logits, out.logits)):
+        torch.testing.assert_close(b, a, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"step {step}: {m}")
+
+
+def _latent_bytes_per_token(config, itemsize=4):
+    return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
+
+
+@pytest.fixture
+def count_paged_calls(monkeypatch):
+    calls = []
+    original = dispatch.paged_attention
+    monkeypatch.setattr(dispatch, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_left_padded_batch_matches_stock(arch, count_paged_calls):
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=1)
+    model = tiny_mla_model(arch)
+    ref = _with_logits(model, input_ids, attention_mask)
+    model.set_attn_implementation("hf_paged")
+    for block_size in (1, 16):
+        model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=block_size)
+        out = _with_logits(model, input_ids, attention_mask)
+        _assert_same(ref, out)
+        cache = cache_of(out)
+        assert isinstance(cache, PagedCache) and cache.has_latent_kv
+        stats = cache.stats()
+        # Only real tokens are stored (the last generated token has no K/V yet), at the latents' size.
+        assert stats["num_tokens"] == sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)
+        assert stats["bytes_per_token"] == _latent_bytes_per_token(model.config)
+    assert count_paged_calls == []  # attention ran dense over the gathered latents
+
+    # Without output flags generate would be served by the Engine; with it switched off, plain
+    # generate (tensor output) takes stock generation over a PagedCache.
+    model.hf_paged_use_engine = False
+    plain = _generate(model, input_ids, attention_mask)
+    assert torch.equal(plain, ref.sequences)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_user_paged_cache_with_sdpa_matches_stock(arch):
+    """A PagedCache handed to an sdpa model stores K (latent) and V (rotary key) at their own widths."""
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=2)
+    model = tiny_mla_model(arch)
+    ref = _with_logits(model, input_ids, attention_mask)
+    cache = PagedCache(model.config, block_size=4)
+    out = _with_logits(model, input_ids, attention_mask, **with_cache(cache))
+    _assert_same(ref, out)
+    config = model.config
+    for layer in cache.layers:
+        assert layer.keys.shape[1:] == (4, 1, config.kv_lora_rank)
+        assert layer.values.shape[1:] == (4, 1, config.qk_rope_head_dim)
+    assert cache.stats()["num_tokens"] == sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton store_kv under the interpreter")
+def test_generate_with_triton_store_kv_matches_stock(monkeypatch):
+    """HF_PAGED_BACKEND=triton: the Triton store_kv writes the 16-wide K and 8-wide V latents."""
+    input_ids, attention_mask = left_padded_batch([7, 3], seed=3)
+    model = tiny_mla_model("deepseek_v3")
+    ref = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3, min_new_tokens=3,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    model.set_attn_implementation("hf_paged")
+    out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3, min_new_tokens=3,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    _assert_same(ref, out)
+    assert dispatch.backend(torch.device("cpu")) == "triton"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_refuses_latent_attention_and_says_what_to_use(arch):
+    """Engine steps are packed [1, num_tokens] rows that only the paged kernels can attend over, and
+    these models never hand the blocks to a kernel: the Engine refuses them when it is built, with a
+    ValueError that says what to use instead."""
+    model = tiny_mla_model(arch, "hf_paged")
+    with pytest.raises(ValueError, match=ENGINE_MESSAGE):
+        Engine(model, block_size=4, num_blocks=32)
+    cache = PagedCache(model.config, hf_paged.PagedCacheConfig(block_size=4, num_blocks=32))
+    with pytest.raises(ValueError, match=ENGINE_MESSAGE):  # nor can a cache plan packed steps for them
+        cache.new_sequence()
+    assert all(not layer.is_initialized for layer in cache.layers)  # no forward ran
+
+    # generate() on an hf_paged model falls back from the Engine to stock generation over a PagedCache.
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=5)
+    ref = _generate(tiny_mla_model(arch), input_ids, attention_mask)
+    assert torch.equal(_generate(model, input_ids, attention_mask), ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bytes_per_block_from_config_matches_the_tensors(arch):
+    model = tiny_mla_model(arch)
+    cache = PagedCache(model.config, block_size=16)
+    from_config = cache.bytes_per_block(torch.float32)
+    assert from_config == 16 * _latent_bytes_per_token(model.config)
+    input_ids, attention_mask = left_padded_batch([9, 20], seed=6)
+    with torch.no_grad():
+        model(input_ids, attention_mask=attention_mask, **with_cache(cache))
+    assert all(layer.is_initialized for layer in cache.layers)
+    assert cache.bytes_per_block() == from_config  # now measured on the allocated blocks
+
+
+def test_bytes_per_block_agrees_with_the_planner_on_deepseek_v3():
+    """The real DeepSeek-V3 config (61 layers, 512-wide latent, 64-wide rotary key): the cache sizes
+    its blocks from the config exactly as the torch-free planner does."""
+    config = AutoConfig.for_model(**sizing.load_config("deepseek-v3"))
+    cache = PagedCache(config, block_size=16)
+    result = sizing.plan(sizing.ModelShape.from_config(config), kv_budget_bytes=10**9, seq_len=100, block_size=16,
+                         kv_dtype="bf16")
+    assert cache.bytes_per_block(torch.bfloat16) == result.bytes_per_block == 61 * 16 * (512 + 64) * 2

@@ -1,0 +1,175 @@
+"""Drop-in sampling honours the merged generation config exactly: transformers' defaults
+(`top_k=50`), the model's generation config, the pipeline's defaults and explicit settings.
+
+Each case draws the first sampled token of 6,000 identical rows through the engine route of
+`model.generate` (a spy checks the engine served it) and compares the counts with stock's own
+processed distribution (`output_scores` of stock `generate`, softmaxed) by Pearson's chi-square at
+significance 0.001. A deliberately wrong `top_k` must fail the same test. Field-by-field mapping and
+fallback reasons are checked on their own.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, AutoModelForCausalLM
+
+import hf_paged.integrations.batch_generate as batch_generate
+from hf_paged.integrations.generation_config import merged_generation_config, sampling_params_from
+from stats import chi2_critical, chi2_statistic
+from tiny_models import tiny_model
+
+NUM_DRAWS = 5000
+PROMPT = [5, 9, 5, 9, 17, 5, 33]  # repeats, so a repetition penalty changes the distribution
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    calls = []
+    original = batch_generate.try_engine_generate
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(batch_generate, "try_engine_generate", spy)
+    return calls
+
+
+def stock_distribution(model, prompt, **kwargs) -> torch.Tensor:
+    """Stock's processed next-token distribution for `prompt` (the scores stock samples from)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, output_scores=True,
+                         return_dict_in_generate=True, **kwargs)
+    return out.scores[0][0].float().softmax(-1)
+
+
+def engine_draws(model, prompt, engine_calls, **kwargs) -> torch.Tensor:
+    """Counts of the first token sampled by the engine route for NUM_DRAWS copies of `prompt`."""
+    ids = torch.tensor([prompt] * NUM_DRAWS)
+    torch.manual_seed(0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, **kwargs)
+    assert engine_calls and engine_calls[-1], "the engine did not serve this call"
+    return torch.bincount(out[:, len(prompt)], minlength=model.config.vocab_size)
+
+
+def assert_same_distribution(counts: torch.Tensor, probs: torch.Tensor):
+    outside = int(counts[probs == 0].sum())
+    assert outside == 0, f"{outside} draws outside stock's support"
+    stat, df = chi2_statistic(counts, probs)
+    assert stat < chi2_critical(df), f"chi2={stat:.1f} df={df} critical={chi2_critical(df):.1f}"
+
+
+def assert_different_distribution(counts: torch.Tensor, probs: torch.Tensor):
+    outside = int(counts[probs == 0].sum())
+    stat, df = chi2_statistic(counts, probs)
+    assert outside > 0 or stat > chi2_critical(df), "the test cannot tell this distribution apart"
+
+
+CASES = {
+    "model_defaults": dict(do_sample=True),  # transformers' top_k=50, temperature 1
+    "top_k": dict(do_sample=True, top_k=20),
+    "top_p": dict(do_sample=True, top_p=0.8),
+    "temperature": dict(do_sample=True, temperature=0.6),
+    "repetition_penalty": dict(do_sample=True, repetition_penalty=1.8, temperature=0.5),
+    "all_together": dict(do_sample=True, top_k=30, top_p=0.9, temperature=0.7, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_sampled_token_follows_stock_processed_distribution(case, engine_calls):
+    kwargs = CASES[case]
+    probs = stock_distribution(tiny_model("llama", "sdpa"), PROMPT, **kwargs)
+    counts = engine_draws(tiny_model("llama", "hf_paged"), PROMPT, engine_calls, **kwargs)
+    assert_same_distribution(counts, probs)
+
+
+def test_a_wrong_top_k_fails_the_same_test(engine_calls):
+    """The reported bug: sampling from the whole vocabulary where stock keeps the top 50."""
+    probs = stock_distribution(tiny_model("llama", "sdpa"), PROMPT, do_sample=True)
+    assert (probs > 0).sum() == 50  # the default top_k really is in force on the stock side
+    for wrong_k in (0, 40):
+        counts = engine_draws(tiny_model("llama", "hf_paged"), PROMPT, engine_calls, do_sample=True, top_k=wrong_k)
+        assert_different_distribution(counts, probs)
+
+
+def test_the_models_own_generation_config_is_honoured(engine_calls):
+    stock, paged = tiny_model("llama", "sdpa"), tiny_model("llama", "hf_paged")
+    for model in (stock, paged):
+        model.generation_config = GenerationConfig(do_sample=True, temperature=0.8, top_p=0.85, top_k=100,
+                                                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    assert_same_distribution(engine_draws(paged, PROMPT, engine_calls), stock_distribution(stock, PROMPT))
+
+
+def test_pipeline_defaults_reach_the_engine_and_sample_like_stock(monkeypatch, engine_calls):
+    """`pipeline("text-generation")` adds do_sample=True, temperature=0.7 and max_new_tokens=256 to
+    transformers' defaults. Its call is served by the engine; the same generate arguments then give
+    stock's distribution."""
+    from transformers import pipeline
+
+    from hf_paged.defaults.models import load_default_tokenizer
+
+    tokenizer = load_default_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    paged = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged").eval()
+    stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    stock.load_state_dict(paged.state_dict())
+    seen = []
+    original = batch_generate.try_engine_generate
+
+    def record(model, inputs, generation_config, kwargs):
+        seen.append({k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask")})
+        return original(model, inputs, generation_config, kwargs)
+
+    monkeypatch.setattr(batch_generate, "try_engine_generate", record)
+    pipe = pipeline("text-generation", model=paged, tokenizer=tokenizer)
+    text = pipe("Hello, my name is", max_new_tokens=3)[0]["generated_text"]
+    assert text.startswith("Hello, my name is") and seen
+    generate_kwargs = {k: v for k, v in seen[-1].items() if k != "max_new_tokens"}
+    gc = merged_generation_config(paged, generate_kwargs.pop("generation_config", None), generate_kwargs)
+    assert gc.do_sample and gc.temperature == 0.7 and gc.top_k == 50  # the pipeline's and transformers' defaults
+    monkeypatch.undo()
+    prompt = tokenizer("Hello, my name is")["input_ids"]
+    counts = engine_draws(paged, prompt, [True], **generate_kwargs)
+    probs = stock_distribution(stock, prompt, **generate_kwargs)
+    assert_same_distribution(counts, probs)
+
+
+# ------------------------------------------------------------------------------------ field by field
+def _merged(**kwargs):
+    return merged_generation_config(tiny_model("llama", "hf_paged"), None, kwargs)
+
+
+def test_defaults_map_field_by_field():
+    params = sampling_params_from(_merged(do_sample=True), input_width=7)
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (1.0, 50, 1.0, 1.0)
+    assert params.max_new_tokens == 20 - 7  # max_length=20 counts the (padded) prompt, as stock does
+    greedy = sampling_params_from(_merged(top_k=5, temperature=0.3), input_width=7)
+    assert greedy.is_greedy and greedy.top_k == 0  # stock applies no warper without do_sample
+    both = sampling_params_from(_merged(min_length=12, min_new_tokens=2, max_new_tokens=9), input_width=7)
+    assert (both.min_new_tokens, both.max_new_tokens) == (5, 9)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("min_p", 0.1), ("typical_p", 0.9), ("epsilon_cutoff", 0.01), ("no_repeat_ngram_size", 2),
+    ("bad_words_ids", [[5]]), ("suppress_tokens", [5]), ("sequence_bias", {(5,): 1.0}), ("num_beams", 2),
+    ("num_return_sequences", 2), ("output_scores", True), ("stop_strings", ["x"]), ("forced_eos_token_id", 2),
+])
+def test_an_unsupported_setting_falls_back_with_its_reason(field, value):
+    reason = sampling_params_from(_merged(do_sample=True, **{field: value}), input_width=4)
+    assert isinstance(reason, str) and (field in reason or "beam" in reason or "num_return" in reason)
+
+
+def test_an_unsupported_setting_is_served_by_stock_with_stock_output(engine_calls):
+    ids = torch.tensor([PROMPT])
+    kwargs = dict(max_new_tokens=6, do_sample=False, no_repeat_ngram_size=2)
+    out = tiny_model("llama", "hf_paged").generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    ref = tiny_model("llama", "sdpa").generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert engine_calls == [False] and torch.equal(out, ref)
