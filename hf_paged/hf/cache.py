@@ -30,6 +30,8 @@ and the dense K/V for other attention implementations is gathered by `attention.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -136,7 +138,7 @@ class PagedCache(Cache):
         self.seqs: list[KVSequence] = []
         self._num_columns = 0  # what transformers sees as the cache length (padding included)
         self._step: StepMetadata | None = None
-        self._next_seq_id = 0
+        self._seq_ids = itertools.count(1)  # next() is atomic: engines create sequences from any thread
         self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)
         self._workspace = Workspace()  # scratch for the torch attention path, reused across layers and steps
 
@@ -399,8 +401,7 @@ class PagedCache(Cache):
             self._step = None
 
     def _next_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
+        return next(self._seq_ids)
 
     def note_weights(self, fingerprint) -> None:
         """Called before each step with `weights_fingerprint(model)`; see `WeightsEpoch.note`."""
