@@ -62,12 +62,15 @@ def test_multibyte_outputs_stream_whole_characters(setup):
 
 
 def _split_stop(tokenizer, ids, text):
-    """A stop string of the free-run text that spans a token boundary (not at the very start)."""
+    """A two-character stop string of the free-run text that spans a token boundary: the last
+    character before token i and the first one after it (which may take several byte tokens)."""
     pieces = [tokenizer.decode(ids[:i], skip_special_tokens=True) for i in range(len(ids) + 1)]
-    for i in range(2, len(ids) - 2):
-        a, b = pieces[i], pieces[i + 1]
-        if len(a) >= 2 and b.startswith(a) and len(b) > len(a) and R not in b and not a[-1].isspace():
-            return text[len(a) - 1: len(a) + 1]  # the last char before token i and the first of it
+    clean = [i for i in range(2, len(ids)) if pieces[i] and R not in pieces[i] and text.startswith(pieces[i])]
+    for a, b in zip(clean, clean[1:]):
+        head = pieces[a]
+        stop = text[len(head) - 1: len(head) + 1]
+        if len(pieces[b]) > len(head) and not head[-1].isspace() and text.find(stop) == len(head) - 1:
+            return stop  # its first occurrence is the one that spans the boundary
     raise AssertionError("no token boundary to split a stop string across")
 
 
