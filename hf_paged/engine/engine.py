@@ -474,10 +474,14 @@ class Engine:
         request = tracked.request
         if request.status == RequestStatus.RUNNING:
             self.scheduler.rollback(request, request.num_computed_tokens - entry.start)
-        if tracked.detok is not None:
-            tracked.detok = self._replayed_detok(tracked)
         tracked.num_failures += 1
-        if isinstance(exc, RequestError) or tracked.num_failures >= MAX_STEP_FAILURES:
+        fatal = isinstance(exc, RequestError) or tracked.num_failures >= MAX_STEP_FAILURES
+        if not fatal and tracked.detok is not None:
+            try:
+                tracked.detok = self._replayed_detok(tracked)
+            except Exception as replay_exc:  # its text state cannot be rebuilt: it cannot go on
+                exc, fatal = replay_exc, True
+        if fatal:
             self._fail(tracked, exc)
         else:
             logger.warning("hf_paged: request %r failed after the forward (%r); retrying it",
@@ -589,17 +593,12 @@ class Engine:
         `report`, the caller of `step()`)."""
         if tracked.finish_reason is not None:
             return
+        tail = self._settle_text(tracked)  # may fail on its own; it then falls back, never raises
         self.scheduler.finish(tracked.request)
         if self.proposer is not None:
             self.proposer.free(tracked.request.request_id)
         tracked.finish_reason = reason
         tracked.metrics.finished_time = time.perf_counter()
-        tail = ""
-        if tracked.detok is not None:
-            tail = tracked.detok.finish()
-            tracked.text = tracked.detok.text
-        elif self.tokenizer is not None:
-            tracked.text = self.tokenizer.decode(tracked.output_ids, skip_special_tokens=tracked.params.skip_special_tokens)
         self._metrics.on_finished(tracked.metrics, reason)
         with self._registry_lock:
             del self._requests[tracked.request.request_id]
@@ -615,6 +614,28 @@ class Engine:
                 if tail:
                     last_event.text = (last_event.text or "") + tail
             tracked.inbox.put(last_event, output)
+
+    def _settle_text(self, tracked: _Tracked) -> str:
+        """Set the finished request's `.text`; returns the stream's last delta. If the incremental
+        text fails now, the text is decoded whole instead (and the stream's tail is that remainder)."""
+        if self.tokenizer is None:
+            return ""
+        if tracked.detok is not None:
+            try:
+                tail = tracked.detok.finish()
+                tracked.text = tracked.detok.text
+                return tail
+            except Exception:
+                logger.warning("hf_paged: detokenising request %r failed at its end; decoding it whole",
+                               tracked.request.request_id, exc_info=True)
+        try:
+            text = self.tokenizer.decode(tracked.output_ids, skip_special_tokens=tracked.params.skip_special_tokens)
+        except Exception:
+            logger.warning("hf_paged: decoding request %r failed", tracked.request.request_id, exc_info=True)
+            return ""
+        shown = tracked.detok.text if tracked.detok is not None else ""
+        tracked.text = text
+        return text[len(shown):] if text.startswith(shown) else ""
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request

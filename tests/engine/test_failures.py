@@ -216,3 +216,20 @@ def test_step_raises_after_undoing_and_the_next_step_carries_on(monkeypatch, sto
                 finished[out.request_id] = out.token_ids
     assert [finished[i] for i in ids] == stock
     _check_pool(engine)
+
+
+def test_a_text_failure_after_some_tokens_ends_only_its_request(monkeypatch, stock):
+    """The stop-string check starts failing after a few tokens, for good: the request's text state
+    cannot even be replayed, so it ends with an error (its text decoded whole), and nothing hangs."""
+    engine = _engine(dict(tokenizer=True))
+    prompts = _prompts()
+    stop = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, stop=["zzzz"])
+    plain = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
+    Injector(monkeypatch, detokenizer, "find_stop_string", calls=range(4, 10**9))
+    outs = engine.generate(prompts, [plain, stop, plain])
+    monkeypatch.undo()
+    assert outs[1].finish_reason == "error" and "injected" in str(outs[1].error)
+    assert outs[1].text == CharTokenizer().decode(outs[1].token_ids) and outs[1].token_ids == stock[1][:len(outs[1].token_ids)]
+    assert [outs[0].token_ids, outs[2].token_ids] == [stock[0], stock[2]]
+    _check_pool(engine)
+    assert [o.token_ids for o in engine.generate(prompts, stop)] == stock
