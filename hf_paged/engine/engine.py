@@ -261,7 +261,10 @@ class Engine:
             self._inbox.append((*command, done))
             self._wakeup.set()
             if command[0] == "abort":
-                done.wait()  # the loop applies it before its next step
+                while not done.wait(0.1):  # the loop applies it before its next step
+                    if not self.is_running():  # it stopped meanwhile: apply it here
+                        with self._lock:
+                            self._apply_inbox()
             return
         with self._lock:
             self._apply_inbox()
@@ -755,6 +758,13 @@ class Engine:
         return thread is not None and thread.is_alive()
 
     def _loop(self) -> None:
+        try:
+            self._run_loop()
+        except BaseException:
+            logger.exception("hf_paged: the engine loop stopped")
+            raise
+
+    def _run_loop(self) -> None:
         while True:
             with self._lock:
                 self._apply_inbox()
