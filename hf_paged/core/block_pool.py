@@ -67,6 +67,9 @@ class BlockPool:
         self.ref_counts: list[int] = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
+        # Blocks filled by the step being planned, findable only by that same step (its forward writes
+        # them before any attention reads them): published by `publish_staged`, else dropped.
+        self._staged: dict[int, int] = {}  # block hash -> block id
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.num_prefix_hits = 0  # blocks taken back from the cache instead of recomputed
@@ -97,8 +100,13 @@ class BlockPool:
         return self.ref_counts[block_id]
 
     def lookup(self, block_hash: int) -> int | None:
-        """The block holding `block_hash`, if cached or in use; no side effect."""
-        return self.hash_to_block.get(block_hash)
+        """The block holding `block_hash`, if cached, in use or staged by this step; no side effect."""
+        block_id = self.hash_to_block.get(block_hash)
+        if block_id is None:
+            block_id = self._staged.get(block_hash)
+            if block_id is not None and self.ref_counts[block_id] == 0:
+                return None  # its owner let it go before the step ran: it holds nothing
+        return block_id
 
     # ---------------------------------------------------------------- mutations
     def grow(self, num_new_blocks: int) -> None:
@@ -135,7 +143,7 @@ class BlockPool:
 
     def acquire_cached(self, block_hash: int) -> int | None:
         """Take a reference on the block holding `block_hash` (a prefix-cache hit), or return None."""
-        block_id = self.hash_to_block.get(block_hash)
+        block_id = self.lookup(block_hash)
         if block_id is None:
             return None
         if self.ref_counts[block_id] == 0:
@@ -166,6 +174,27 @@ class BlockPool:
             self._drop_hash(block_id)
         self.block_hash[block_id] = block_hash
         self.hash_to_block[block_hash] = block_id
+
+    def stage_full_block(self, block_id: int, block_hash: int) -> None:
+        """Make a block filled by the step being planned findable by that step alone."""
+        if self.enable_prefix_caching and block_hash not in self.hash_to_block:
+            self._staged.setdefault(block_hash, block_id)
+
+    def publish_staged(self, full_blocks: Iterable[tuple[int, int]]) -> None:
+        """The step's forward wrote its blocks: register them (those still in use) in the prefix cache,
+        and forget what was staged."""
+        for block_id, block_hash in full_blocks:
+            if self.ref_counts[block_id] > 0 and self.block_hash[block_id] is None:
+                self.register_full_block(block_id, block_hash)
+        self._staged.clear()
+
+    def is_staged(self, block_id: int) -> bool:
+        """Whether the step being planned filled this block (findable by that step, not yet cached)."""
+        return self.ref_counts[block_id] > 0 and block_id in self._staged.values()
+
+    def discard_staged(self) -> None:
+        """The step failed (or is being planned afresh): nothing it staged may ever be found."""
+        self._staged.clear()
 
     def unregister(self, block_id: int) -> None:
         """Forget a block's hash because its content is about to change (an in-place write after
@@ -330,14 +359,14 @@ class BlockManager:
                 result.new_full_blocks.append((block_id, block_hash))
                 if register:
                     pool.register_full_block(block_id, block_hash)
+                else:
+                    pool.stage_full_block(block_id, block_hash)
         return result
 
     def commit_full_blocks(self, full_blocks: Iterable[tuple[int, int]]) -> None:
         """Publish blocks filled by `append_tokens(..., register=False)` now that their K/V are written.
         A block released in between (its sequence finished or was truncated) is skipped."""
-        for block_id, block_hash in full_blocks:
-            if self.pool.ref_count(block_id) > 0 and self.pool.block_hash[block_id] is None:
-                self.pool.register_full_block(block_id, block_hash)
+        self.pool.publish_staged(full_blocks)
 
     def fork(self, seq: KVSequence, seq_id: int) -> KVSequence:
         """A new sequence sharing every block of `seq` (copy-on-write on the next write)."""

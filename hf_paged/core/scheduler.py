@@ -190,6 +190,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step and allocate its slots (the block tables change here)."""
+        self.manager.pool.discard_staged()  # a step planned before this one has run or failed by now
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -277,6 +278,7 @@ class Scheduler:
         freed, back to the head of the queue) and any waiting request's partly filled sequence is
         cleared. Nothing of the failed step was published in the prefix cache. Returns the requests
         that were running."""
+        self.manager.pool.discard_staged()
         was_running = list(self.running)
         for request in reversed(was_running):  # newest first, so the oldest ends up at the head
             self.preempt(request)

@@ -84,6 +84,7 @@ class ModelRunner:
                                  logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
         except BaseException:
             self.cache.abandon_step(reset_prefix_cache=False)  # this step published no block
+            self.cache.pool.discard_staged()
             raise
         self.cache.manager.commit_full_blocks(new_full_blocks)
         return out.logits[0]

@@ -122,7 +122,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput, held_before: dict[int, se
             pos = e.start + j
             block = r.seq.block_table[pos // bs]
             if slot == -1:  # a prefix-cache hit inside the chunk: the block already holds this K/V
-                assert pool.enable_prefix_caching and pool.block_hash[block] is not None
+                assert pool.enable_prefix_caching and (pool.block_hash[block] is not None or pool.is_staged(block))
                 assert pos % bs <= j and all(sl == -1 for sl in e.slots[j - pos % bs : j]), (
                     "a hit covers a whole block")
                 continue
@@ -1225,3 +1225,22 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_blocks_staged_by_a_failed_step_are_never_found_again():
+    """A step's filled blocks are findable by that step only (its forward writes them before any
+    attention reads them). After the step fails, a block it staged can be reused by another request:
+    its old hash must find nothing."""
+    pool = BlockPool(2)
+    s = Scheduler(BlockManager(pool, 2), max_num_seqs=2, max_num_batched_tokens=16)
+    s.add(Request("a", [1, 2, 3], 3, 4, KVSequence(0)))
+    out = s.schedule()
+    (block, block_hash), = out.new_full_blocks
+    assert pool.lookup(block_hash) == block and pool.is_staged(block)  # within its own step
+    s.recover()  # the forward failed: nothing was published
+    s.finish(s.waiting[0])
+    s.add(Request("b", [5, 6, 7], 3, 4, KVSequence(1)))
+    out = s.schedule()
+    assert block in out.scheduled[0].request.seq.block_table  # the block now holds b's tokens
+    assert pool.lookup(block_hash) is None
+    pool.check_invariants()
