@@ -63,6 +63,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the latest admission
+    use_prefix_cache: bool = True  # False: admission computes the whole prompt (its logits are wanted)
     # Speculative tokens proposed for the next step (set by the engine, consumed by `schedule`).
     spec_token_ids: list[int] = field(default_factory=list)
 
@@ -177,6 +178,22 @@ class Scheduler:
         self._next_arrival += 1
         self.waiting.append(request)
 
+    def add_forked(self, request: Request) -> None:
+        """Add a request whose `seq` already holds its computed tokens (a sample forked from another
+        request's computed prompt): it runs at once, or, with `max_num_seqs` requests running, its
+        blocks are released and it waits to be recomputed (mostly from the prefix cache)."""
+        request.arrival = self._next_arrival
+        self._next_arrival += 1
+        if len(self.running) < self.max_num_seqs:
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = request.seq.num_tokens
+            self.running.append(request)
+        else:
+            self.manager.free(request.seq)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+
     def finish(self, request: Request) -> None:
         """Remove a request (finished or aborted) and release its blocks. Idempotent."""
         if request.status == RequestStatus.RUNNING:
@@ -226,7 +243,7 @@ class Scheduler:
             prompt = request.token_ids
             # Keep the last token out of the cache hit so it is computed and yields logits.
             cacheable = prompt[: len(prompt) - 1]
-            num_cached = self.manager.num_cached_prefix_tokens(request.seq, cacheable)
+            num_cached = self.manager.num_cached_prefix_tokens(request.seq, cacheable) if request.use_prefix_cache else 0
             num_new = min(len(prompt) - num_cached, budget)
             blocks = self.manager.num_blocks_needed(request.seq, num_cached + num_new)
             if not self.manager.pool.can_allocate(blocks):

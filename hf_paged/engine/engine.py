@@ -37,15 +37,16 @@ from ..config import PagedCacheConfig
 from ..core import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerprint
 from ..hf.support import check_paged_attention_supported
-from ..spec_decode import ProposalRequest, make_proposer, target_tokens, verify_greedy
+from ..spec_decode import ProposalRequest, make_proposer, verify_greedy
 from ..worker import Chunk, ModelRunner
-from ..worker.sampling import SamplingParams, SamplingState, draw_seed, needs_processing, sample
+from ..worker.sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, logprobs_of
+from ..worker.sampling import SamplingParams, SamplingState, draw_seed, sample_seed
 from .delivery import Inbox, RequestHandle, drain
 from .detokenizer import IncrementalDetokenizer
 from .inputs import as_params_list, as_prompt_list, as_token_id_list, model_eos_token_ids, prompt_token_ids
 from .kv_budget import default_num_blocks
 from .metrics import EngineMetrics, RequestMetrics
-from .outputs import RequestOutput, StreamEvent
+from .outputs import CompletionOutput, RequestOutput, StreamEvent
 
 logger = logging.getLogger(__name__)
 
@@ -59,22 +60,53 @@ class RequestError(ValueError):
     """A failure that belongs to one request and will not go away on a retry (NaN logits)."""
 
 
+class _Group:
+    """The `n` samples of one request. Sample 0 is the request itself; it runs alone until its prompt
+    is computed, then the others fork from it (sharing every block, copy-on-write)."""
+
+    def __init__(self, request_id: str, n: int):
+        self.request_id = request_id
+        self.n = n
+        self.members: list[_Tracked | None] = [None] * n
+        self.forked = n == 1  # nothing to fork
+        self.unforked_reason: str | None = None
+        self.prompt_logprobs: dict[int, TokenLogprobs] = {}
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(m is not None and m.finish_reason is not None for m in self.members)
+
+
 class _Tracked:
-    """Engine-side state of one request: the scheduler's view plus sampling, text and its owner."""
+    """Engine-side state of one request (or one sample of it): the scheduler's view plus sampling,
+    text, what it returns besides tokens, and its owner."""
 
     def __init__(self, request: Request, params: SamplingParams, seed: int, metrics: RequestMetrics,
-                 detok: IncrementalDetokenizer | None, inbox: Inbox | None, index: int):
+                 detok: IncrementalDetokenizer | None, inbox: Inbox | None, index: int, state: SamplingState,
+                 group: _Group, sample_index: int = 0):
         self.request = request
         self.params = params
         self.seed = seed
+        self.state = state  # the sampler's view: penalty and n-gram state kept as tokens come
         self.metrics = metrics
         self.detok = detok  # streamed text and stop strings; None: text decoded once at the end
         self.inbox = inbox  # the owner's (generate / stream / submit); None for add_request
         self.index = index  # position in the owner's prompts
+        self.group = group  # the request's samples (a group of one when n = 1)
+        self.sample_index = sample_index
+        group.members[sample_index] = self
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.error: Exception | None = None
         self.num_failures = 0
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.scores: list[torch.Tensor] | None = [] if params.output_scores else None
+        self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
+
+    @property
+    def public_id(self) -> str:
+        """The id the caller knows (the request's, for every one of its samples)."""
+        return self.group.request_id
 
     @property
     def output_ids(self) -> list[int]:
@@ -154,11 +186,13 @@ class Engine:
         self.eos_token_ids = (model_eos_token_ids(model, tokenizer) if eos_token_ids is None
                               else as_token_id_list(eos_token_ids))
         self.runner = ModelRunner(model, self.cache)
+        self.sampler = Sampler()
         self.proposer, self.num_speculative_tokens = make_proposer(
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
             lookup_min=prompt_lookup_min, lookup_max=prompt_lookup_max, target_num_blocks=self.cache.pool.num_blocks,
             max_num_seqs=max_num_seqs, block_size=self.cache.block_size)
-        self._requests: dict[str, _Tracked] = {}  # live requests, registered before they are queued
+        self._requests: dict[str, _Tracked] = {}  # live requests (and samples), registered before they are queued
+        self._groups: dict[str, _Group] = {}  # live requests by the id the caller knows
         self._ids = itertools.count()
         self._metrics = EngineMetrics()
         self._updates: list[RequestOutput] = []  # what the step in progress produced
@@ -211,7 +245,7 @@ class Engine:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
+        params.validate(self.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
@@ -234,15 +268,19 @@ class Engine:
         with self._registry_lock:  # ids are unique among live requests, whichever thread adds them
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
-                while request_id in self._requests:
+                while request_id in self._requests or request_id in self._groups:
                     request_id = f"req-{next(self._ids)}"
-            elif request_id in self._requests:
+            elif request_id in self._requests or request_id in self._groups:
                 raise ValueError(f"request_id {request_id!r} is already in use by a live request")
             request = Request(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
-                              max_total_tokens=max_total, seq=self.cache.new_sequence())
+                              max_total_tokens=max_total, seq=self.cache.new_sequence(),
+                              use_prefix_cache=params.prompt_logprobs is None)  # its prompt's logits are needed
             metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
-            tracked = _Tracked(request, params, draw_seed(params.seed), metrics, detok, inbox, index)
+            seed = draw_seed(params.seed)
+            tracked = _Tracked(request, params, seed, metrics, detok, inbox, index, self._new_state(params, seed, request),
+                               _Group(request_id, params.n))
             self._requests[request_id] = tracked  # registered first: a step never meets an unknown id
+            self._groups[request_id] = tracked.group
         self._post(("add", tracked))
         return request_id
 
@@ -282,10 +320,12 @@ class Engine:
         if command[0] == "add":
             self.scheduler.add(command[1].request)
         elif command[0] == "abort":
-            tracked = self._requests.get(command[1])
-            if tracked is not None:
-                self._finish(tracked, "abort", report=False)  # the caller gets it, not step()
-                command[2].append(self._output(tracked))
+            group = self._groups.get(command[1])
+            if group is not None:
+                for member in list(group.members):  # every sample of the request
+                    if member is not None:
+                        self._finish(member, "abort", report=False)  # the caller gets it, not step()
+                command[2].append(self._output(group.members[0]))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._inbox)
@@ -321,12 +361,15 @@ class Engine:
         the background loop log step failures and keep going."""
         with self._lock:
             self._apply_inbox()
+            began = time.perf_counter()
             failure = self._step()
+            self._metrics.step_seconds += time.perf_counter() - began
             self._update_gauges()
             if failure is not None:
                 raise failure  # what the step produced before failing comes with the next step
             updates, self._updates = self._updates, []
-            return updates
+            latest = {u.request_id: u for u in updates}  # one output per request (its samples merged)
+            return list(latest.values())
 
     def advance(self) -> None:
         """`step()` for callers that only need progress (the fronts, the loop): a failed step is
@@ -367,64 +410,104 @@ class Engine:
         self._commit(sched, logits)
         return None
 
+    def _num_logits(self, entry: ScheduledRequest) -> int:
+        """Logits rows the entry needs: every position while its request wants prompt logprobs and the
+        chunk holds prompt tokens, else its last 1 + drafts positions when it samples, else none."""
+        if self._requests[entry.request.request_id].params.prompt_logprobs is not None and (
+                entry.start < entry.request.num_prompt_tokens - 1):
+            return len(entry.token_ids)
+        return (1 + len(entry.draft_token_ids)) if entry.samples else 0
+
     def _forward(self, sched: SchedulerOutput) -> torch.Tensor:  # [num logit rows, vocab]
-        chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.slots,
-                        (1 + len(e.draft_token_ids)) if e.samples else 0) for e in sched.scheduled]
+        chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.slots, self._num_logits(e)) for e in sched.scheduled]
+        began = time.perf_counter()
         logits = self.runner.forward(chunks, sched.copies, sched.new_full_blocks)
+        self._metrics.forward_seconds += time.perf_counter() - began
         self._metrics.num_steps += 1
-        self._metrics.iteration_tokens.append(sum(len(e.token_ids) for e in sched.scheduled))
+        num_tokens = sum(len(e.token_ids) for e in sched.scheduled)
+        self._metrics.iteration_tokens.append(num_tokens)
+        self._metrics.num_forward_tokens += num_tokens
         return logits
 
     def _commit(self, sched: SchedulerOutput, logits: torch.Tensor) -> None:
-        """Turn each sampling request's logits rows into tokens and commit them, one request at a time:
-        a request that fails here is rolled back alone."""
-        entries, rows, row = [], [], 0
+        """Turn the step's logits into tokens and commit them, one request at a time: a request that
+        fails here is rolled back alone. Every sampling row of the step (each request's next position,
+        each verified draft position, each of a request's n first samples) goes through one sampler
+        call; if that call raises, each request is sampled alone."""
+        plans, rows, index, row = [], [], [], 0
         for entry in sched.scheduled:
+            n = self._num_logits(entry)
+            if not n:
+                continue
+            tracked = self._requests[entry.request.request_id]
+            first_sample = row + n - 1 - len(entry.draft_token_ids)
+            num_rows = 0
             if entry.samples:
-                n = 1 + len(entry.draft_token_ids)
-                entries.append(entry)
-                rows.append((row, n))
-                row += n
-        if not entries:
+                group = tracked.group
+                states = [tracked.state] + ([self._fork_state(tracked, j) for j in range(1, group.n)]
+                                            if not group.forked else [])
+                drafts = entry.draft_token_ids
+                for j in range(len(drafts) + 1):
+                    for state in states:
+                        rows.append(SampleRow(state, tuple(drafts[:j])))
+                        index.append(first_sample + j)
+                        num_rows += 1
+            plans.append((tracked, entry, row, n, len(rows) - num_rows, num_rows))
+            row += n
+        if not plans:
             return
         has_nan = torch.isnan(logits).any(dim=-1).tolist()  # one host sync for every row of the step
-        plain = [i for i, e in enumerate(entries) if not e.draft_token_ids and not has_nan[rows[i][0]]]
-        tokens: dict[int, list[int]] = {}
-        try:  # the common case in one call: a token per plain request
-            states = [self._sampling_state(self._requests[entries[i].request.request_id]) for i in plain]
-            sampled = sample(logits[[rows[i][0] for i in plain]], states) if plain else []
-            tokens = {i: [t] for i, t in zip(plain, sampled)}
+        clean = [k for k, r in enumerate(rows) if not has_nan[index[k]]]
+        result = None
+        began = time.perf_counter()
+        try:
+            if clean:
+                result = self.sampler(logits[[index[k] for k in clean]], [rows[k] for k in clean])
+                result = result.placed_at(clean, len(rows))
         except Exception:
             logger.warning("hf_paged: batched sampling failed; sampling each request alone", exc_info=True)
             self._metrics.num_failed_steps += 1
+            result = None
+        self._metrics.sampler_seconds += time.perf_counter() - began
         now = time.perf_counter()
-        for i, entry in enumerate(entries):
-            tracked = self._requests[entry.request.request_id]
-            start, n = rows[i]
+        for tracked, entry, start, n, first_row, num_rows in plans:
             try:
                 if any(has_nan[start:start + n]):
-                    raise RequestError(f"the model produced NaN logits for request {tracked.request.request_id!r}")
-                committed = tokens.get(i) or self._next_tokens(tracked, entry, logits[start:start + n])
-                self._commit_tokens(tracked, entry, committed, now)
+                    raise RequestError(f"the model produced NaN logits for request {tracked.public_id!r}")
+                if tracked.params.prompt_logprobs is not None:
+                    self._note_prompt_logprobs(tracked, entry, logits[start:start + n])
+                if not entry.samples:
+                    continue
+                if result is not None:
+                    out = result.slice(first_row, num_rows)
+                else:
+                    sub = rows[first_row:first_row + num_rows]
+                    out = self.sampler(logits[index[first_row:first_row + num_rows]], sub)
+                self._commit_sample(tracked, entry, out, now)
             except Exception as exc:
                 self._roll_back(tracked, entry, exc)
 
-    def _next_tokens(self, tracked: _Tracked, entry: ScheduledRequest, rows: torch.Tensor) -> list[int]:
-        """The tokens `entry` commits: one sample, or its verified drafts plus one."""
-        state = self._sampling_state(tracked)
+    def _commit_sample(self, tracked: _Tracked, entry: ScheduledRequest, out: SamplerOutput, now: float) -> None:
+        """Commit what the sampler drew for one entry: one token, or verified drafts plus one, or the
+        first token of each of a request's n samples (which fork here)."""
         drafts = entry.draft_token_ids
-        if not drafts:
-            return sample(rows, [state])
-        if state.params.is_greedy and not needs_processing(state):
-            committed = verify_greedy(rows.argmax(dim=-1).tolist(), drafts)
+        group = tracked.group
+        if not group.forked:
+            group.forked = True
+            for j in range(1, group.n):  # each sample's own row j: its seed, the shared prompt logits
+                self._fork_sample(tracked, j, out.slice(j, 1), now)
+            out = out.slice(0, 1)
+        if drafts:
+            committed = verify_greedy(out.token_ids, drafts)
+            self._metrics.on_verification(len(drafts), len(committed) - 1)
         else:
-            committed = verify_greedy(target_tokens(rows[:, : self.vocab_size], state, drafts), drafts)
-        self._metrics.on_verification(len(drafts), len(committed) - 1)
-        return committed
-
-    def _commit_tokens(self, tracked: _Tracked, entry: ScheduledRequest, tokens: list[int], now: float) -> None:
+            committed = out.token_ids
+        self._commit_tokens(tracked, committed, len(drafts), now, out)
+    def _commit_tokens(self, tracked: _Tracked, tokens: list[int], num_drafts: int, now: float,
+                       out: SamplerOutput) -> None:
         """Append `tokens` (cut at the first that ends the request), then roll the cache back past
-        the rejected drafts. Everything that may raise (text, stop strings) runs before any change."""
+        the rejected drafts. Everything that may raise (text, stop strings) runs before any change.
+        `out` row j holds what the sampler returned with token j (logprobs, scores, logits)."""
         request, params = tracked.request, tracked.params
         num_out = request.num_output_tokens
         kept, reason = [], None
@@ -443,19 +526,25 @@ class Engine:
             if reason is not None:
                 deltas[-1] += tracked.detok.finish()
         # Committed from here on: nothing below raises for a well-formed request.
-        events = [StreamEvent(request.request_id, tracked.index, token, delta, None)
+        events = [StreamEvent(tracked.public_id, tracked.index, token, delta, None, tracked.sample_index)
                   for token, delta in zip(kept, deltas or [None] * len(kept))]
-        for event in events:
+        for j, event in enumerate(events):
             request.token_ids.append(event.token_id)
             tracked.metrics.on_token(now)
             self._metrics.generation_tokens += 1
+            if tracked.logprobs is not None:
+                tracked.logprobs.append(out.logprobs[j])
+            if tracked.scores is not None:
+                tracked.scores.append(out.scores[j])
+            if tracked.logits is not None:
+                tracked.logits.append(out.logits[j])
         if tracked.inbox is not None:
             for event in events[:-1] if reason is not None else events:
                 tracked.inbox.put(event, None)
         if reason is not None:
             self._finish(tracked, reason, last_event=events[-1])
             return
-        rejected = len(entry.draft_token_ids) - (len(tokens) - 1)
+        rejected = num_drafts - (len(tokens) - 1)
         self.scheduler.rollback(request, rejected)
         self._updates.append(self._output(tracked))
 
@@ -552,9 +641,11 @@ class Engine:
             if request.num_pending_tokens != 1:
                 continue  # still in prefill
             tracked = self._requests[request.request_id]
+            if not tracked.group.forked:
+                continue  # its first token is drawn once per sample from one row: no drafts
             k = self._num_drafts_for(tracked)
             if k > 0:
-                asks.append(ProposalRequest(request.request_id, request.token_ids, k, self._sampling_state(tracked)))
+                asks.append(ProposalRequest(request.request_id, request.token_ids, k, tracked.state))
         if not asks:
             return
         try:
@@ -584,11 +675,62 @@ class Engine:
             computed_prompt = max(0, min(entry.start + len(entry.token_ids), request.num_prompt_tokens) - entry.start)
             self._metrics.prompt_tokens += computed_prompt
 
-    def _sampling_state(self, tracked: _Tracked) -> SamplingState:
-        params = tracked.params
+    def _new_state(self, params: SamplingParams, seed: int, request: Request) -> SamplingState:
         end_ids = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
-        return SamplingState(params=params, seed=tracked.seed, token_ids=tracked.request.token_ids,
-                             num_output_tokens=tracked.request.num_output_tokens, end_token_ids=end_ids)
+        return SamplingState(params, seed, request.token_ids, request.num_prompt_tokens, end_ids, self.eos_token_ids)
+
+    # ------------------------------------------------------------------ n samples
+    def _fork_state(self, tracked: _Tracked, j: int) -> SamplingState:
+        """Sample j's state for its first draw, before it exists as a request (the prompt so far)."""
+        return self._new_state(tracked.params, sample_seed(tracked.seed, j), tracked.request)
+
+    def _fork_sample(self, parent: _Tracked, j: int, out: SamplerOutput, now: float) -> None:
+        """Create sample j of `parent`'s request from its just computed prompt (sharing every block) and
+        commit the first token drawn for it. If that commit fails, the sample alone is retried (it
+        waits, to be recomputed) or ends with an error."""
+        prompt = parent.request.token_ids[: parent.request.num_prompt_tokens]
+        with self._registry_lock:
+            request_id = f"{parent.public_id}#{j}"
+            while request_id in self._requests or request_id in self._groups:
+                request_id += "'"
+            request = Request(request_id=request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                              max_total_tokens=parent.request.max_total_tokens,
+                              seq=self.cache.fork_sequence(parent.request.seq))
+            metrics = RequestMetrics(arrival_time=parent.metrics.arrival_time, num_prompt_tokens=len(prompt))
+            metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            detok = None
+            if parent.detok is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, prompt, skip_special_tokens=parent.params.skip_special_tokens,
+                                               stop_strings=parent.params.stop_strings)
+            seed = sample_seed(parent.seed, j)
+            child = _Tracked(request, parent.params, seed, metrics, detok, parent.inbox, parent.index,
+                             self._new_state(parent.params, seed, request), parent.group, j)
+            self._requests[request_id] = child
+        self.scheduler.add_forked(request)
+        if request.status != RequestStatus.RUNNING:
+            return  # no room to run it now: it recomputes its prompt (from the prefix cache) and draws again
+        try:
+            self._commit_tokens(child, out.token_ids, 0, now, out)
+        except Exception as exc:
+            self._metrics.num_failed_steps += 1
+            child.num_failures += 1
+            if child.finish_reason is None:
+                self.scheduler.preempt(request)
+                self._note_preempted(child)
+                if child.num_failures >= MAX_STEP_FAILURES:
+                    self._fail(child, exc)
+
+    def _note_prompt_logprobs(self, tracked: _Tracked, entry: ScheduledRequest, rows: torch.Tensor) -> None:
+        """Prompt logprobs from a chunk's logits rows (one per position): position p predicts token p + 1."""
+        request = tracked.request
+        targets = [(j, entry.start + j + 1) for j in range(len(entry.token_ids))
+                   if entry.start + j + 1 < request.num_prompt_tokens]
+        if not targets:
+            return
+        found = logprobs_of(rows[[j for j, _ in targets]], [request.token_ids[t] for _, t in targets],
+                            tracked.params.prompt_logprobs)
+        for (_, t), entry_lp in zip(targets, found):
+            tracked.group.prompt_logprobs[t] = entry_lp
 
     def _finish(self, tracked: _Tracked, reason: str, last_event: StreamEvent | None = None,
                 report: bool = True) -> None:
@@ -605,18 +747,25 @@ class Engine:
         self._metrics.on_finished(tracked.metrics, reason)
         with self._registry_lock:
             del self._requests[tracked.request.request_id]
+        group = tracked.group
+        if not group.forked:  # it ended before its other samples existed: they end with it
+            group.forked = True
+            group.unforked_reason = reason
         output = self._output(tracked)
+        if group.finished:
+            with self._registry_lock:
+                self._groups.pop(group.request_id, None)
         if report:
             self._updates.append(output)
-        if tracked.inbox is not None:  # the request's one end event carries its output
+        if tracked.inbox is not None:  # each sample's end event; the request's last one carries its output
             if last_event is None:
                 text = tail if tracked.detok is not None else None
-                last_event = StreamEvent(tracked.request.request_id, tracked.index, None, text, reason)
+                last_event = StreamEvent(tracked.public_id, tracked.index, None, text, reason, tracked.sample_index)
             else:
                 last_event.finish_reason = reason
                 if tail:
                     last_event.text = (last_event.text or "") + tail
-            tracked.inbox.put(last_event, output)
+            tracked.inbox.put(last_event, output if group.finished else None)
 
     def _settle_text(self, tracked: _Tracked) -> str:
         """Set the finished request's `.text`; returns the stream's last delta. If the incremental
@@ -641,15 +790,31 @@ class Engine:
         return text[len(shown):] if text.startswith(shown) else ""
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
+        """The request's output so far: every sample of it (text is set once a sample finishes;
+        streams carry their own deltas)."""
+        group = tracked.group
+        first = group.members[0]
+        outputs = []
+        for j, m in enumerate(group.members):
+            if m is None:  # never forked: the request ended first
+                outputs.append(CompletionOutput(j, finish_reason=group.unforked_reason, error=first.error))
+                continue
+            outputs.append(CompletionOutput(
+                index=j, token_ids=list(m.output_ids), text=m.text, finish_reason=m.finish_reason,
+                logprobs=None if m.logprobs is None else list(m.logprobs),
+                scores=None if m.scores is None else list(m.scores),
+                logits=None if m.logits is None else list(m.logits), error=m.error))
+        request = first.request
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [group.prompt_logprobs.get(t) for t in range(1, request.num_prompt_tokens)]
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=group.request_id,
             prompt_token_ids=request.token_ids[: request.num_prompt_tokens],
-            token_ids=list(tracked.output_ids),
-            text=tracked.text,  # set once finished; streams carry their own deltas
-            finish_reason=tracked.finish_reason,
-            metrics=tracked.metrics,
-            error=tracked.error,
+            outputs=outputs,
+            prompt_logprobs=prompt_logprobs,
+            metrics=first.metrics,
+            finish_reason=outputs[0].finish_reason if group.finished else None,
         )
 
     def _update_gauges(self) -> None:
@@ -682,8 +847,10 @@ class Engine:
             except (ValueError, TypeError) as exc:
                 logger.warning("hf_paged: request %d rejected: %s", i, exc)
                 prompt_ids = list(prompt) if not isinstance(prompt, str) else []
+                n = p.n if isinstance(p, SamplingParams) and isinstance(p.n, int) and 0 < p.n <= 1024 else 1
                 results[i] = RequestOutput(request_id=f"rejected-{i}", prompt_token_ids=prompt_ids,
-                                           finish_reason="error", error=exc)
+                                           outputs=[CompletionOutput(j, finish_reason="error", error=exc)
+                                                    for j in range(n)], finish_reason="error")
         bar = self._progress_bar(len(live), use_tqdm)
         try:
             for _, final in drain(inbox, len(live), self.advance, self.is_running):
@@ -721,7 +888,7 @@ class Engine:
                 yield event
         finally:
             for rid in live:
-                if rid in self._requests:
+                if rid in self._groups:
                     self.abort(rid)
 
     # ------------------------------------------------------------------ background loop

@@ -115,6 +115,11 @@ class EngineMetrics:
         self.request_errored = 0
         self.num_steps = 0
         self.num_failed_steps = 0  # steps (or single requests in them) that raised and were undone
+        self.num_forward_tokens = 0  # tokens fed to the model's forwards (prefill chunks, decodes, drafts)
+        # Step profile: wall seconds inside `step()`, its forwards, and its sampler calls.
+        self.step_seconds = 0.0
+        self.forward_seconds = 0.0
+        self.sampler_seconds = 0.0
         self.iteration_tokens: deque[int] = _window()
         self.ttft: deque[float] = _window()
         self.itl: deque[float] = _window()
@@ -215,6 +220,10 @@ class EngineMetrics:
             "num_failed_steps": self.num_failed_steps,
             "finish_reasons": dict(self.finish_reasons),
             "num_steps": self.num_steps,
+            "num_forward_tokens": self.num_forward_tokens,
+            "step_seconds": self.step_seconds,
+            "forward_seconds": self.forward_seconds,
+            "sampler_seconds": self.sampler_seconds,
             "elapsed_seconds": elapsed,
             "prompt_throughput_tokens_per_s": self.prompt_tokens / elapsed,
             "generation_throughput_tokens_per_s": self.generation_tokens / elapsed,

@@ -346,6 +346,11 @@ class PagedCache(Cache):
         check_paged_attention_supported(self._model_config)
         return self._new_sequence()
 
+    def fork_sequence(self, seq: KVSequence) -> KVSequence:
+        """A new sequence sharing every block of `seq` (copy-on-write on its next write): one sample
+        of n continuing a prompt computed once."""
+        return self.manager.fork(seq, self._next_id())
+
     def _step_is_unfinished(self) -> bool:
         return self._step is not None and len(self._step.layers_done) < len(self.layers)
 

@@ -17,7 +17,7 @@ from ..config import DEFAULT_BLOCK_SIZE, PagedCacheConfig
 from ..core import KVSequence
 from ..hf import PagedCache, decoder_of
 from ..worker import Chunk, ModelRunner
-from ..worker.sampling import processed_logits, sample_processed
+from ..worker.sampler import SampleRow, Sampler
 from .proposal import Proposal, ProposalRequest
 
 
@@ -39,6 +39,7 @@ class DraftModelProposer:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.seqs: dict[str, KVSequence] = {}
         self.num_forwards = 0
+        self.sampler = Sampler()
 
     def free(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)
@@ -82,13 +83,12 @@ class DraftModelProposer:
                 break
             logits = self.runner.forward(chunks, copies, full)
             self.num_forwards += 1
-            for row, i in enumerate(active):
-                r = requests[i]
-                drafted = proposals[i].token_ids
-                state = r.state.extended(drafted)
-                # The target's own keyed noise at this position: the draft's sample is coupled to the
-                # token the target will draw there, which is what verification compares it with.
-                drafted.append(sample_processed(processed_logits(logits[row, : self.vocab_size], state), state))
+            # The target's own processors and keyed draws at these positions: the draft's sample is
+            # coupled to the token the target will draw there, which is what verification compares.
+            rows = [SampleRow(requests[i].state, tuple(proposals[i].token_ids)) for i in active]
+            drafted = self.sampler(logits[:, : self.vocab_size].float().clone(), rows, with_outputs=False).token_ids
+            for i, token in zip(active, drafted):
+                proposals[i].token_ids.append(token)
         return proposals
 
 

@@ -5,14 +5,15 @@ q_len = k + 1 paged path) and keeps:
 
 * greedy: the longest prefix of drafts equal to the target's own argmax, plus the target's token at
   the first mismatch (or its bonus token after the last draft) -> `verify_greedy`;
-* sampling: the same rule, applied to the target's own *sample* at each position. Every token is a
-  Gumbel-max draw `argmax(processed_logits + G)` whose noise is keyed by (seed, position)
-  (`worker.sampling.token_noise`), so the target's token at a position does not depend on the
-  drafts: a draft is kept iff it equals that token (`target_tokens` + `verify_greedy`). The output
-  is exactly what the request would sample without speculation, token for token, so it is exactly
-  the target's distribution, and a seeded request's tokens never depend on how many drafts it got.
-  Draft proposers sample with the same keyed noise, which couples their drafts to the target's
-  draws and keeps acceptance high where the two distributions agree.
+* sampling: the same rule, applied to the target's own *sample* at each position. Every token is an
+  inverse-CDF draw from the processed distribution at a uniform number keyed by (seed, position)
+  (`worker.sampling.uniform`), so the target's token at a position does not depend on the drafts: a
+  draft is kept iff it equals that token (`target_tokens` + `verify_greedy`). The output is exactly
+  what the request would sample without speculation, token for token, so it is exactly the target's
+  distribution, and a seeded request's tokens never depend on how many drafts it got. Position j
+  is processed with the drafts before it as history (`SampleRow.extra`): the same processors as
+  plain sampling. Draft proposers draw with the same keyed numbers, which couples their drafts to
+  the target's draws and keeps acceptance high where the two distributions agree.
 
 No model, cache or request state here: inputs in, tokens out.
 """
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from ..worker.sampling import SamplingState, processed_logits, sample_processed
+from ..worker.sampler import SampleRow, Sampler
+from ..worker.sampling import SamplingState
 
 
 def verify_greedy(target_tokens: list[int], draft_tokens: list[int]) -> list[int]:
@@ -52,8 +54,8 @@ def target_tokens(logits: torch.Tensor, state: SamplingState, draft_tokens: list
     Args:
         logits: [k + 1, vocab] raw target logits at the verified positions.
     """
-    return [sample_processed(processed_logits(logits[j], state.extended(draft_tokens[:j])),
-                             state.extended(draft_tokens[:j])) for j in range(len(draft_tokens) + 1)]
+    rows = [SampleRow(state, tuple(draft_tokens[:j])) for j in range(len(draft_tokens) + 1)]
+    return Sampler()(logits.float().clone(), rows).token_ids
 
 
 def expected_tokens_per_forward(alpha: float, k: int) -> float:

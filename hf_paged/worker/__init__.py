@@ -2,22 +2,17 @@
 
 * `runner.py`: `ModelRunner`, one packed `[1, num_tokens]` forward of a transformers model over a
   `PagedCache`, with its `StepMetadata`; returns only the logits rows that are sampled.
-* `sampling.py`: `SamplingParams` (transformers' field names) and the per-request sampler.
+* `sampling.py`: `SamplingParams` (transformers' and vLLM's field names), `SamplingState` (a request's
+  incrementally kept penalty and n-gram state) and the counter-based random numbers.
+* `sampler.py`: the batched `Sampler`: every row of a step processed and sampled together, with
+  logprobs, scores and raw logits on request.
 
 Neither decides which requests run (that is `core.scheduler`) nor holds request state.
 """
 
 from .runner import Chunk, ModelRunner
-from .sampling import (
-    SamplingParams,
-    SamplingState,
-    draw_seed,
-    needs_processing,
-    processed_logits,
-    sample,
-    sample_processed,
-    token_noise,
-)
+from .sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, processed_logits, sample_processed
+from .sampling import SamplingParams, SamplingState, draw_seed, sample_seed, uniform
 
-__all__ = ["Chunk", "ModelRunner", "SamplingParams", "SamplingState", "draw_seed", "needs_processing",
-           "processed_logits", "sample", "sample_processed", "token_noise"]
+__all__ = ["Chunk", "ModelRunner", "SampleRow", "Sampler", "SamplerOutput", "SamplingParams", "SamplingState",
+           "TokenLogprobs", "draw_seed", "processed_logits", "sample_processed", "sample_seed", "uniform"]

@@ -1,18 +1,18 @@
-"""Per-request sampling: `SamplingParams` (HF's field names) and the sampler that turns one step's
-logits into one token per request.
+"""Per-request sampling settings and state: `SamplingParams` (transformers' and vLLM's field names),
+`SamplingState` (what a request's sampler needs, kept up to date incrementally), and the random
+numbers that make every draw reproducible.
 
-Random draws are counter-based: the token at sequence position `pos` is the Gumbel-max sample
-`argmax(processed_logits + G)`, with noise `G` drawn from a generator keyed by `(seed, pos)` alone
-(`token_noise`). So a request's tokens depend only on its seed and its own logits: not on its batch
-mates, not on how many speculative tokens it was given (verification compares drafts with this very
-sample), and a step that is retried draws the same numbers again. Gumbel-max sampling is exact: the
-token is distributed as `softmax(processed_logits)`. The seed is `SamplingParams.seed`, or drawn from
-torch's global RNG when unset (`draw_seed`, so `torch.manual_seed` makes unseeded runs reproducible).
+Random draws are counter-based: the token at sequence position `pos` is drawn by inverting the CDF
+of the processed distribution (its tokens in id order) at a uniform number `u = uniform(seed, pos)`,
+a pure function of the request's seed and the position (`uniform`). So a request's tokens depend only
+on its seed and its own logits: not on its batch mates, not on how many speculative tokens it was
+given (verification compares drafts with this very sample), and a retried step draws the same numbers
+again. Inverse-CDF sampling is exact: the token is distributed as `softmax(processed_logits)` (the CDF
+is summed in float64, so no token's share is lost to rounding at 150k vocabularies). The seed is
+`SamplingParams.seed`, or drawn from torch's global RNG when unset (`draw_seed`, so
+`torch.manual_seed` makes unseeded runs reproducible); sample `i` of `n` uses `sample_seed(seed, i)`.
 
-The processing order is transformers' own: repetition penalty, then `min_new_tokens` (end-of-sequence
-tokens masked), then temperature, top-k and top-p.
-
-Owns the maths from logits to tokens; it knows nothing of blocks, caches or scheduling.
+The processing itself is `sampler.py`; this module has no tensor maths beyond the RNG.
 """
 
 from __future__ import annotations
@@ -20,34 +20,71 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..config import MAX_SPECULATIVE_TOKENS
 
+LOGPROBS_MODES = ("processed", "raw")
+MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
 
 @dataclass
 class SamplingParams:
-    """How one request generates. Field names follow transformers' `GenerationConfig`.
+    """How one request generates. Field names follow transformers' `GenerationConfig`, and vLLM's
+    `SamplingParams` where transformers has none.
 
     Args:
         max_new_tokens: most tokens to generate (> 0).
         min_new_tokens: end-of-sequence and `stop_token_ids` are masked until this many were generated.
         temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
-        top_k: keep the k most likely tokens (0 disables).
+        top_k: keep the k most likely tokens, ties at the k-th value included (0 disables).
         top_p: nucleus sampling; keep the smallest set of tokens whose probability reaches top_p (1 disables).
+        min_p: drop tokens less likely than `min_p` times the most likely one (0 disables).
         seed: keys this request's random draws (with each token's position); None draws a seed from
             torch's global RNG when the request is added.
+        n: independent samples of the prompt, returned together in one `RequestOutput.outputs`; they
+            share the prompt's KV blocks (one prefill, copy-on-write after it).
         stop_token_ids: extra token ids that end the request (the token is kept in the output).
         stop: strings that end the request once the decoded text contains one (needs a tokenizer);
             the text is cut before the stop string.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
-        repetition_penalty: transformers' CTRL-style penalty on tokens already in prompt or output (1 disables).
+        repetition_penalty: transformers' CTRL-style penalty on every token already in prompt or output:
+            a logit x becomes x / penalty if x > 0, else x * penalty (1 disables).
+        presence_penalty: OpenAI/vLLM: subtracted once from the logit of every token already generated
+            (prompt tokens do not count; 0 disables; may be negative).
+        frequency_penalty: OpenAI/vLLM: subtracted from a token's logit once per time it was generated.
+        logit_bias: `{token_id: bias}` added to those logits before everything else (transformers'
+            `sequence_bias` with one-token sequences).
+        bad_words_ids: token sequences never to generate (transformers' semantics: a one-token entry
+            is always banned, a longer one bans its last token after the rest; end-of-sequence tokens
+            alone are never banned).
+        no_repeat_ngram_size: no n-gram of this size occurs twice in prompt + output (0 disables).
+        logprobs: return, for each generated token, its log-probability and those of the `logprobs`
+            most likely tokens (0: the chosen token only; None: nothing).
+        prompt_logprobs: the same for each prompt token after the first, under the model's raw
+            distribution (the request then computes its whole prompt: no prefix-cache hits).
+        logprobs_mode: "processed" (default, vLLM's): log_softmax of the logits after every processor
+            above (-inf outside top-k/top-p); "raw": log_softmax of the model's logits.
+        output_scores / output_logits: keep, for each generated token, the processed / raw logits row
+            (`CompletionOutput.scores` / `.logits`; what transformers' `output_scores` / `output_logits`
+            return). Costs a vocabulary-sized row per token.
         skip_special_tokens: drop special tokens when decoding `.text`.
         num_speculative_tokens: tokens drafted per step for this request when the engine speculates
             (None: the engine's setting; 0: no speculation for this request).
 
-    Values are checked by `validate()`, which the engine calls when a request is added, so one bad
-    request is reported on its own instead of failing a whole batch.
+    The processing order is transformers' own: logit bias, repetition penalty (then presence and
+    frequency, as vLLM orders its penalties), n-gram and bad-word bans, the `min_new_tokens` mask, then
+    (when sampling) temperature, top-k, top-p and min-p. Values are checked by `validate()`, which the
+    engine calls when a request is added, so one bad request is reported on its own.
     """
 
     max_new_tokens: int = 16
@@ -55,11 +92,23 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
+    n: int = 1
     stop_token_ids: list[int] = field(default_factory=list)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    bad_words_ids: list[list[int]] | None = None
+    no_repeat_ngram_size: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logprobs_mode: str = "processed"
+    output_scores: bool = False
+    output_logits: bool = False
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None
 
@@ -73,30 +122,39 @@ class SamplingParams:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def validate(self) -> None:
-        """Raise ValueError/TypeError naming the first bad field."""
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+    @property
+    def has_history_processors(self) -> bool:
+        """Whether processing depends on the tokens so far (beyond the `min_new_tokens` count)."""
+        return self.has_penalties or bool(self.bad_words_ids) or self.no_repeat_ngram_size > 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError/TypeError naming the first bad field. With `vocab_size`, token ids in
+        `logit_bias` and `bad_words_ids` are checked against it."""
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                 f"got {self.min_new_tokens!r}"
             )
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) or not (
-            math.isfinite(self.temperature) and self.temperature >= 0
-        ):
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not is_int(self.seed):
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            is_int(t) and t >= 0 for t in self.stop_token_ids
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
         if self.stop is not None and not (
@@ -106,40 +164,150 @@ class SamplingParams:
         if any(s == "" for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty")
         if self.num_speculative_tokens is not None and (
-            not is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+            not _is_int(self.num_speculative_tokens) or not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
         ):
             raise ValueError(f"num_speculative_tokens must be None or an integer in [0, {MAX_SPECULATIVE_TOKENS}], got "
                              f"{self.num_speculative_tokens!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or not (
-            math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
-        ):
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2] (OpenAI's range), got {value!r}")
+        in_vocab = (lambda t: _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size))
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                in_vocab(t) and _is_number(b) for t, b in self.logit_bias.items()
+            ):
+                raise ValueError("logit_bias must map in-vocabulary token ids to finite numbers, got "
+                                 f"{self.logit_bias!r}")
+        if self.bad_words_ids is not None:
+            if not isinstance(self.bad_words_ids, (list, tuple)) or not all(
+                isinstance(w, (list, tuple)) and len(w) > 0 and all(in_vocab(t) for t in w) for w in self.bad_words_ids
+            ):
+                raise ValueError("bad_words_ids must be a list of non-empty lists of in-vocabulary token ids, got "
+                                 f"{self.bad_words_ids!r}")
+        if not _is_int(self.no_repeat_ngram_size) or self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
 
 
-@dataclass
 class SamplingState:
-    """What the sampler needs of one request: its params, seed, tokens so far and end ids.
+    """What the sampler needs of one request, kept up to date as tokens are committed.
 
-    The next token sampled is at sequence position `len(token_ids)`; its noise is keyed by
-    `(seed, len(token_ids))`."""
+    Args:
+        params: the request's `SamplingParams`.
+        seed: keys its random draws (see `uniform`).
+        token_ids: prompt + outputs so far; the engine's own list (read, never written here).
+        num_prompt_tokens: the length of the prompt prefix of `token_ids`.
+        end_token_ids: ids masked before `min_new_tokens` (eos unless ignore_eos, and stop tokens).
+        eos_token_ids: the model's end-of-sequence ids (a lone eos in `bad_words_ids` is not banned).
 
-    params: SamplingParams
-    seed: int
-    token_ids: list[int]  # prompt + outputs, for the repetition penalty
-    num_output_tokens: int
-    end_token_ids: list[int]  # eos (unless ignore_eos) + stop_token_ids, masked before min_new_tokens
+    The next token is at sequence position `len(token_ids)`. Penalty state (unique tokens seen, their
+    counts among the outputs) and the n-gram table are updated from the tokens appended since the
+    last use, so a step costs O(new tokens), never O(context)."""
+
+    def __init__(self, params: SamplingParams, seed: int, token_ids: list[int], num_prompt_tokens: int,
+                 end_token_ids: list[int] = (), eos_token_ids: list[int] = ()):
+        self.params = params
+        self.seed = seed
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.end_token_ids = list(end_token_ids)
+        self.eos_token_ids = list(eos_token_ids)
+        self._synced = 0
+        self._index: dict[int, int] = {}  # token -> slot in the arrays below
+        self._ids = np.zeros(64, dtype=np.int64)  # unique tokens of prompt + outputs, first-seen order
+        self._counts = np.zeros(64, dtype=np.float32)  # how often each was generated (outputs only)
+        self._ngrams: dict[tuple, set[int]] = {}
 
     @property
     def position(self) -> int:
         return len(self.token_ids)
 
-    def extended(self, tokens: list[int]) -> "SamplingState":
-        """The state after `tokens` were generated (speculative positions see their drafted history)."""
-        if not tokens:
-            return self
-        return SamplingState(params=self.params, seed=self.seed, token_ids=self.token_ids + list(tokens),
-                             num_output_tokens=self.num_output_tokens + len(tokens),
-                             end_token_ids=self.end_token_ids)
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def sync(self) -> None:
+        """Absorb the tokens appended since the last call."""
+        tokens = self.token_ids
+        if len(tokens) < self._synced:  # never expected (outputs only grow), but never wrong
+            self.__init__(self.params, self.seed, tokens, self.num_prompt_tokens, self.end_token_ids,
+                          self.eos_token_ids)
+        p = self.params
+        n = p.no_repeat_ngram_size
+        for i in range(self._synced, len(tokens)):
+            t = tokens[i]
+            if p.has_penalties:
+                slot = self._index.get(t)
+                if slot is None:
+                    slot = self._index[t] = len(self._index)
+                    if slot == len(self._ids):
+                        self._ids = np.resize(self._ids, 2 * slot)
+                        self._counts = np.concatenate([self._counts, np.zeros(slot, dtype=np.float32)])
+                    self._ids[slot] = t
+                if i >= self.num_prompt_tokens:
+                    self._counts[slot] += 1
+            if n and i + 1 >= n:
+                self._ngrams.setdefault(tuple(tokens[i + 1 - n: i]), set()).add(t)
+        self._synced = len(tokens)
+
+    def penalty_arrays(self, extra: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """(unique token ids [m] int64, output counts [m] fp32) of prompt + outputs + `extra`."""
+        m = len(self._index)
+        ids, counts = self._ids[:m], self._counts[:m]
+        if not extra:
+            return ids, counts
+        ids, counts, index = ids.copy(), counts.copy(), dict(self._index)
+        add_ids, add_counts = [], []
+        for t in extra:  # drafted tokens are outputs
+            slot = index.get(t)
+            if slot is None:
+                index[t] = m + len(add_ids)
+                add_ids.append(t)
+                add_counts.append(1.0)
+            elif slot >= m:
+                add_counts[slot - m] += 1
+            else:
+                counts[slot] += 1
+        if add_ids:
+            ids = np.concatenate([ids, np.array(add_ids, dtype=np.int64)])
+            counts = np.concatenate([counts, np.array(add_counts, dtype=np.float32)])
+        return ids, counts
+
+    def banned_tokens(self, extra: tuple[int, ...] = ()) -> list[int]:
+        """Tokens `no_repeat_ngram_size` and `bad_words_ids` forbid next, after prompt + outputs + `extra`
+        (transformers' `NoRepeatNGramLogitsProcessor` and `NoBadWordsLogitsProcessor`)."""
+        p, banned = self.params, []
+        history = self.token_ids if not extra else None
+        n = p.no_repeat_ngram_size
+        total = len(self.token_ids) + len(extra)
+        if n and total >= n:
+            history = history or self.token_ids + list(extra)
+            prefix = tuple(history[total + 1 - n:]) if n > 1 else ()
+            banned.extend(self._ngrams.get(prefix, ()))
+            # n-grams that end inside `extra` are not in the table
+            for end in range(max(len(self.token_ids), n - 1), total):
+                if tuple(history[end + 1 - n: end]) == prefix:
+                    banned.append(history[end])
+        if p.bad_words_ids:
+            history = history or self.token_ids + list(extra)
+            for word in p.bad_words_ids:
+                if len(word) == 1:
+                    if word[0] not in self.eos_token_ids:
+                        banned.append(word[0])
+                elif len(word) - 1 <= total and list(history[total - len(word) + 1:]) == list(word[:-1]):
+                    banned.append(word[-1])
+        return banned
+
+    def masks_end_tokens(self, num_extra: int = 0) -> bool:
+        return bool(self.end_token_ids) and self.num_output_tokens + num_extra < self.params.min_new_tokens
 
 
 def draw_seed(seed: int | None) -> int:
@@ -151,132 +319,19 @@ def draw_seed(seed: int | None) -> int:
 _MASK64 = (1 << 64) - 1
 
 
-def _as_int64(value: int) -> int:
-    """A 64-bit pattern as the signed int64 torch stores it."""
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _as_int64(0x9E3779B97F4A7C15)
-_MIX1 = _as_int64(0xBF58476D1CE4E5B9)
-_MIX2 = _as_int64(0x94D049BB133111EB)
-
-
-def _noise_key(seed: int, position: int) -> int:
-    """One 64-bit key per (seed, position); splitmix64 on the host."""
-    x = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return _as_int64(x ^ (x >> 31))
+    return x ^ (x >> 31)
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:  # int64, element-wise splitmix64 finaliser
-    # int64 products wrap modulo 2**64; `>>` is arithmetic, so each shift is masked to be logical.
-    x = x ^ ((x >> 30) & ((1 << 34) - 1))
-    x = x * _MIX1
-    x = x ^ ((x >> 27) & ((1 << 37) - 1))
-    x = x * _MIX2
-    return x ^ ((x >> 31) & ((1 << 33) - 1))
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with `n` samples (sample 0 keeps the request's)."""
+    return seed if index == 0 else _splitmix64(_splitmix64(seed & _MASK64) ^ index) >> 2
 
 
-def token_noise(seed: int, position: int, token_ids: torch.Tensor) -> torch.Tensor:  # [n] fp32
-    """Gumbel noise for `token_ids` (int64 [n]) at `position` of a request seeded `seed`: a pure
-    function of (seed, position, token id), computed by a counter-based hash, so any subset of the
-    vocabulary (a top-k support, a draft's vocabulary) gets the same noise per token, on any device."""
-    x = _mix(token_ids.to(torch.int64) * _GOLDEN + _noise_key(seed, position))
-    u = ((x >> 11) & ((1 << 53) - 1)).to(torch.float64) * 2.0**-53  # uniform on [0, 1)
-    exponential = -torch.log1p(-u)
-    return (-torch.log(exponential.clamp_min(1e-300))).float()
-
-
-def sample_processed(processed: torch.Tensor, state: SamplingState) -> int:
-    """The token for `state`'s next position from its processed logits ([vocab]): argmax when greedy,
-    else the Gumbel-max sample keyed by (seed, position), over the tokens still allowed."""
-    if state.params.is_greedy:
-        return int(processed.argmax())
-    allowed = (processed > float("-inf")).nonzero().flatten()
-    scores = processed[allowed] + token_noise(state.seed, state.position, allowed)
-    return int(allowed[scores.argmax()])
-
-
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> list[int]:
-    """One token per row.
-
-    Args:
-        logits: [num_rows, vocab_size] raw next-token logits, one row per state.
-        states: per row, its `SamplingState`.
-    """
-    logits = logits.float()
-    out: list[int | None] = [None] * len(states)
-    plain = [i for i, s in enumerate(states) if s.params.is_greedy and not needs_processing(s)]
-    if plain:
-        for i, tok in zip(plain, logits[plain].argmax(dim=-1).tolist()):
-            out[i] = tok
-    for i, state in enumerate(states):
-        if out[i] is None:
-            out[i] = _sample_row(logits[i], state)
-    return out  # type: ignore[return-value]
-
-
-def needs_processing(state: SamplingState) -> bool:
-    """Whether the raw logits' argmax may differ from the processed one (penalty, min_new_tokens)."""
-    p = state.params
-    return p.repetition_penalty != 1.0 or (state.num_output_tokens < p.min_new_tokens and bool(state.end_token_ids))
-
-
-def processed_support(row: torch.Tensor, state: SamplingState) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The request's processors applied to one row of raw logits ([vocab]), in transformers' order:
-    repetition penalty, `min_new_tokens` mask, then (when sampling) temperature, top-k and top-p.
-
-    Returns:
-        `(token_ids, logits)`: the tokens still allowed ([n] int64; None = the whole vocabulary) and
-        their processed logits ([n] fp32). Top-k and top-p keep exactly the tokens transformers'
-        warpers keep (ties at the k-th value included) but never build a full masked row.
-    """
-    p = state.params
-    penalise = p.repetition_penalty != 1.0 and bool(state.token_ids)
-    mask_end = state.num_output_tokens < p.min_new_tokens and bool(state.end_token_ids)
-    row = row.float().clone() if penalise or mask_end else row.float()  # never write into the logits
-    if penalise:
-        ids = torch.tensor(sorted(set(state.token_ids)), device=row.device)
-        score = row[ids]
-        row[ids] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-    if mask_end:
-        row[torch.tensor(state.end_token_ids, device=row.device)] = float("-inf")
-    if p.is_greedy:
-        return None, row
-    row = row / p.temperature
-    token_ids = None
-    if p.top_k and p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        token_ids = (row >= kth).nonzero().flatten()
-        row = row[token_ids]
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        keep = cum > (1 - p.top_p)
-        keep[-1] = True  # always keep the most likely token
-        kept = order[keep]
-        token_ids = kept if token_ids is None else token_ids[kept]
-        row = sorted_logits[keep]
-    return token_ids, row
-
-
-def processed_logits(row: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """[vocab] logits after the request's processors (see `processed_support`), -inf outside the
-    tokens they keep: what transformers' processors and warpers return."""
-    token_ids, logits = processed_support(row, state)
-    if token_ids is None:
-        return logits if logits.data_ptr() != row.data_ptr() else logits.clone()
-    out = torch.full(row.shape, float("-inf"), device=row.device)
-    out[token_ids] = logits
-    return out
-
-
-def _sample_row(row: torch.Tensor, state: SamplingState) -> int:
-    token_ids, logits = processed_support(row, state)
-    if state.params.is_greedy:
-        return int(logits.argmax())
-    if token_ids is None:
-        return sample_processed(logits, state)
-    # -inf can remain inside a top-k support only through min_new_tokens masks; they lose any argmax.
-    return int(token_ids[(logits + token_noise(state.seed, state.position, token_ids)).argmax()])
+def uniform(seed: int, position: int) -> float:
+    """A uniform number in [0, 1) keyed by (seed, position) alone: the draw for that position."""
+    x = _splitmix64(_splitmix64(seed & _MASK64) ^ position)
+    return (x >> 11) * 2.0**-53

@@ -21,7 +21,7 @@ import hf_paged.worker.runner as runner_module
 from hf_paged import Engine, SamplingParams
 from hf_paged.core import BlockManager, Scheduler
 from hf_paged.spec_decode import NgramProposer
-from hf_paged.worker import ModelRunner
+from hf_paged.worker import ModelRunner, Sampler
 from tiny_models import VOCAB, CharTokenizer, tiny_model
 
 NEW = 10
@@ -91,7 +91,7 @@ STAGES = {
     "attention_last_layer": (lambda mp, c: Injector(mp, dispatch, "paged_attention",
                                                     (NUM_LAYERS - 1,) if c != "always" else c), {}, {}),
     "after_forward": (_after_forward, {}, {}),
-    "sampling": (lambda mp, c: Injector(mp, engine_module, "sample", c), {}, {}),
+    "sampling": (lambda mp, c: Injector(mp, Sampler, "__call__", c), {}, {}),
     "verification": (lambda mp, c: Injector(mp, engine_module, "verify_greedy", c),
                      dict(speculative_method="ngram", num_speculative_tokens=3), {}),
     "proposer": (lambda mp, c: Injector(mp, NgramProposer, "propose", c),

@@ -41,7 +41,7 @@ def _random_dists(k: int, vocab: int, seed: int):
 
 def _verify_sampled(p: torch.Tensor, drafts: list[int], seed: int) -> list[int]:
     """The engine's sampled verification on given target probabilities ([k + 1, vocab])."""
-    state = SamplingState(params=SamplingParams(temperature=1.0), seed=seed, token_ids=[0], num_output_tokens=0,
+    state = SamplingState(params=SamplingParams(temperature=1.0), seed=seed, token_ids=[0], num_prompt_tokens=1,
                           end_token_ids=[])
     return verify_greedy(target_tokens(p.log(), state, drafts), drafts)
 
@@ -50,7 +50,7 @@ def _coupled_draft(q: torch.Tensor, seed: int) -> list[int]:
     """Drafts sampled from q with the target's keyed noise at the same positions (as the draft-model
     proposer does)."""
     return [sample_processed(q[j].log(), SamplingState(params=SamplingParams(temperature=1.0), seed=seed,
-                                                       token_ids=[0] * (1 + j), num_output_tokens=j,
+                                                       token_ids=[0] * (1 + j), num_prompt_tokens=1,
                                                        end_token_ids=[]))
             for j in range(q.shape[0])]
 
@@ -102,7 +102,7 @@ def test_sampled_verification_equals_sampling_without_drafts():
         for drafts in (_coupled_draft(q, seed), [1, 2, 3], []):
             out = _verify_sampled(p[: len(drafts) + 1], drafts, seed)
             expected = [sample_processed(p[j].log(), SamplingState(
-                params=SamplingParams(temperature=1.0), seed=seed, token_ids=[0] * (1 + j), num_output_tokens=j,
+                params=SamplingParams(temperature=1.0), seed=seed, token_ids=[0] * (1 + j), num_prompt_tokens=1,
                 end_token_ids=[])) for j in range(len(out))]
             assert out == expected
 

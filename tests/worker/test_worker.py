@@ -55,7 +55,7 @@ def test_processed_logits_match_transformers_processors(params, num_output):
     gen = torch.Generator().manual_seed(num_output)
     row = torch.randn(VOCAB, generator=gen) * 3
     history = torch.randint(0, VOCAB, (12 + num_output,), generator=gen).tolist()
-    state = SamplingState(params=params, seed=0, token_ids=history, num_output_tokens=num_output,
+    state = SamplingState(params=params, seed=0, token_ids=history, num_prompt_tokens=12,
                           end_token_ids=EOS)
     ours = processed_logits(row, state)
     ref = stock_processed(row, history, 12, params)
@@ -68,7 +68,7 @@ def test_a_wrong_top_k_is_caught_by_the_same_comparison():
     params = SamplingParams(temperature=1.0, top_k=20)
     row = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0))
     state = SamplingState(params=SamplingParams(temperature=1.0, top_k=21), seed=0, token_ids=[3],
-                          num_output_tokens=0, end_token_ids=EOS)
+                          num_prompt_tokens=1, end_token_ids=EOS)
     assert not torch.equal(torch.isinf(processed_logits(row, state)), torch.isinf(stock_processed(row, [3], 1, params)))
 
 

@@ -1,0 +1,453 @@
+"""The batched sampler: one step's logits rows -> one token per row, plus the logprobs, scores and
+raw logits the rows' requests asked for.
+
+Every row is a request's next position (`SampleRow`: its `SamplingState`, plus the drafted tokens
+that precede the position when it verifies speculative tokens). One call processes all of a step's
+rows together, in transformers' order:
+
+    logit_bias -> repetition / presence / frequency penalties -> n-gram and bad-word bans ->
+    min_new_tokens mask                                        (sparse index ops over all rows)
+    greedy rows: argmax                                        (one call)
+    sampling rows: temperature -> top-k -> top-p -> min-p -> inverse-CDF draw
+        rows with top-k: one `topk(max k + 1)` over them; temperature, top-p and min-p then touch
+            only those k values (the extra value detects ties at the k-th, which transformers keeps)
+        rows without: temperature over the row; top-p from the 1024 most likely tokens when they
+            decide it clearly, else a full sort (transformers' own order of operations)
+
+Rows that share settings cost no per-row tensor work: per-row values travel as small tensors, and the
+only per-row Python is gathering each request's (incrementally kept) penalty arrays and ban lists.
+
+Owns the maths from logits to tokens; it knows nothing of blocks, caches or scheduling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .sampling import SamplingState, uniform
+
+# Top-p without top-k: the nucleus is read off the TOP_P_CANDIDATES most likely tokens when their
+# mass exceeds top_p and no kept/dropped decision lies within TOP_P_MARGIN of the threshold (so fp32
+# summation order cannot flip it); otherwise the row is sorted whole, as transformers does.
+TOP_P_CANDIDATES = 1024
+TOP_P_MARGIN = 1e-4
+
+
+@dataclass
+class SampleRow:
+    """One logits row to sample: the request's state, and the tokens drafted before this position
+    (a speculative verify row; empty otherwise)."""
+
+    state: SamplingState
+    extra: tuple[int, ...] = ()
+
+    @property
+    def position(self) -> int:
+        return self.state.position + len(self.extra)
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one generated (or prompt) position.
+
+    Attributes:
+        token_id: the token taken there.
+        logprob: its log-probability.
+        rank: its rank in the distribution (1 = most likely).
+        top: the `k` most likely `(token_id, logprob)` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class SamplerOutput:
+    """Per row: the token, and what its request asked for (None where it did not)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    scores: list[torch.Tensor | None]  # [vocab] processed logits (-inf outside the kept tokens)
+    logits: list[torch.Tensor | None]  # [vocab] raw logits
+
+    def slice(self, start: int, count: int) -> "SamplerOutput":
+        end = start + count
+        return SamplerOutput(self.token_ids[start:end], self.logprobs[start:end], self.scores[start:end],
+                             self.logits[start:end])
+
+    def placed_at(self, positions: list[int], total: int) -> "SamplerOutput":
+        """These rows at `positions` of `total` rows (the others empty: rows that were not sampled)."""
+        out = SamplerOutput([-1] * total, [None] * total, [None] * total, [None] * total)
+        for j, p in enumerate(positions):
+            out.token_ids[p], out.logprobs[p] = self.token_ids[j], self.logprobs[j]
+            out.scores[p], out.logits[p] = self.scores[j], self.logits[j]
+        return out
+
+
+@dataclass
+class _Block:
+    """Processed distributions of some rows: `vals` [r, K] over token ids `ids` [r, K] (None: the
+    whole vocabulary, K = vocab), -inf where a token is dropped."""
+
+    rows: list[int]
+    ids: torch.Tensor | None
+    vals: torch.Tensor
+
+
+class Sampler:
+    """Samples a step's rows. Stateless: all request state lives in the rows' `SamplingState`s."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], with_outputs: bool = True) -> SamplerOutput:
+        """Args:
+            logits: [len(rows), vocab] raw logits, row i for rows[i]. Overwritten (fp32 logits are
+                processed in place; pass a copy to keep them).
+            with_outputs: compute the logprobs, scores and logits the rows' params ask for (a draft
+                model's proposals need only tokens).
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"need one logits row per sample row, got {tuple(logits.shape)} for {len(rows)} rows")
+        for r in rows:
+            r.state.sync()
+        logits = logits.float()
+        params = [r.state.params for r in rows]
+        raw_rows = [i for i, p in enumerate(params)
+                    if with_outputs and (p.output_logits or (p.logprobs is not None and p.logprobs_mode == "raw"))]
+        raw = logits[raw_rows].clone() if raw_rows else None
+        self._process(logits, rows)
+        num_rows = len(rows)
+        tokens = [0] * num_rows
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        blocks: list[_Block] = []
+        if greedy:
+            g = logits[greedy] if len(greedy) < num_rows else logits
+            for i, t in zip(greedy, g.argmax(dim=-1).tolist()):
+                tokens[i] = t
+            if with_outputs and any(params[i].output_scores or (params[i].logprobs is not None and
+                                                                 params[i].logprobs_mode == "processed") for i in greedy):
+                blocks.append(_Block(greedy, None, g))
+        sampling = [i for i, p in enumerate(params) if not p.is_greedy]
+        if sampling:
+            for block in self._warp(logits, rows, sampling):
+                for i, t in zip(block.rows, _draw(block, [rows[i].position for i in block.rows],
+                                                  [rows[i].state.seed for i in block.rows])):
+                    tokens[i] = t
+                if with_outputs:
+                    blocks.append(block)
+        out = SamplerOutput(tokens, [None] * num_rows, [None] * num_rows, [None] * num_rows)
+        if raw is not None:
+            for j, i in enumerate(raw_rows):
+                if params[i].output_logits:
+                    out.logits[i] = raw[j]
+            asks = [j for j, i in enumerate(raw_rows) if params[i].logprobs is not None]
+            if asks:
+                lp = _logprobs(_Block([raw_rows[j] for j in asks], None, raw[asks]), tokens, params)
+                for i, entry in lp.items():
+                    out.logprobs[i] = entry
+        for block in blocks:
+            if any(params[i].output_scores for i in block.rows):
+                dense = _dense(block, logits.shape[-1])
+                for j, i in enumerate(block.rows):
+                    if params[i].output_scores:
+                        out.scores[i] = dense[j]
+            asks = [j for j, i in enumerate(block.rows)
+                    if params[block.rows[j]].logprobs is not None and params[block.rows[j]].logprobs_mode == "processed"]
+            if asks:
+                sub = _Block([block.rows[j] for j in asks], None if block.ids is None else block.ids[asks],
+                             block.vals[asks])
+                for i, entry in _logprobs(sub, tokens, params).items():
+                    out.logprobs[i] = entry
+        return out
+
+    # ------------------------------------------------------------------ processors (in place)
+    def _process(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        device, vocab = logits.device, logits.shape[-1]
+        bias_rows, bias_ids, bias_vals = [], [], []
+        pen_rows, pen_ids, pen_counts, pen_params = [], [], [], []
+        ban_rows, ban_ids = [], []
+        for i, r in enumerate(rows):
+            p = r.state.params
+            if p.logit_bias:
+                ids, vals = _bias_arrays(p)
+                bias_rows.append(np.full(len(ids), i, dtype=np.int64))
+                bias_ids.append(ids)
+                bias_vals.append(vals)
+            if p.has_penalties:
+                ids, counts = r.state.penalty_arrays(r.extra)
+                pen_rows.append(np.full(len(ids), i, dtype=np.int64))
+                pen_ids.append(ids)
+                pen_counts.append(counts)
+                pen_params.append((p.repetition_penalty, p.frequency_penalty, p.presence_penalty))
+            if p.bad_words_ids or p.no_repeat_ngram_size:
+                banned = r.state.banned_tokens(r.extra)
+                ban_rows.extend([i] * len(banned))
+                ban_ids.extend(banned)
+            if r.state.masks_end_tokens(len(r.extra)):
+                ban_rows.extend([i] * len(r.state.end_token_ids))
+                ban_ids.extend(r.state.end_token_ids)
+        if bias_rows:
+            row_idx, tok_idx, vals = _tensor(bias_rows, device), _tensor(bias_ids, device), _tensor(bias_vals, device)
+            keep = tok_idx < vocab  # a draft model's vocabulary may be smaller than the target's
+            logits.index_put_((row_idx[keep], tok_idx[keep]), vals[keep], accumulate=True)
+        if pen_rows:
+            sizes = [len(a) for a in pen_ids]
+            row_idx, tok_idx = _tensor(pen_rows, device), _tensor(pen_ids, device)
+            keep = tok_idx < vocab  # an embedding vocabulary larger than the head's: nothing to penalise
+            counts = _tensor(pen_counts, device)
+            per_row = torch.tensor(pen_params, dtype=torch.float32, device=device).repeat_interleave(
+                torch.tensor(sizes, device=device), dim=0)  # [m, 3]: repetition, frequency, presence
+            row_idx, tok_idx, counts, per_row = row_idx[keep], tok_idx[keep], counts[keep], per_row[keep]
+            score = logits[row_idx, tok_idx]
+            rep = per_row[:, 0]
+            score = torch.where(score < 0, score * rep, score / rep)
+            score = score - per_row[:, 1] * counts - per_row[:, 2] * (counts > 0).float()
+            logits[row_idx, tok_idx] = score
+        if ban_rows:
+            pairs = [(r, t) for r, t in zip(ban_rows, ban_ids) if t < vocab]
+            if pairs:
+                index = torch.tensor(pairs, device=device).T
+                logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), device=device))
+
+    # ------------------------------------------------------------------ warpers -> blocks
+    def _warp(self, logits: torch.Tensor, rows: list[SampleRow], sampling: list[int]) -> list[_Block]:
+        vocab, device = logits.shape[-1], logits.device
+        params = [rows[i].state.params for i in sampling]
+        with_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+        without_k = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab]
+        blocks: list[_Block] = []
+        if with_k:
+            blocks.extend(self._warp_top_k(logits, [sampling[j] for j in with_k], [params[j] for j in with_k]))
+        if without_k:
+            blocks.extend(self._warp_full(logits, [sampling[j] for j in without_k], [params[j] for j in without_k]))
+        return blocks
+
+    def _warp_top_k(self, logits, idx: list[int], params) -> list[_Block]:
+        device, vocab = logits.device, logits.shape[-1]
+        ks = torch.tensor([p.top_k for p in params], device=device)
+        width = min(max(p.top_k for p in params) + 1, vocab)
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None]
+        x = logits[idx] if len(idx) < logits.shape[0] else logits
+        vals, ids = torch.topk(x, width, dim=-1)  # sorted, most likely first
+        vals = vals / temp  # positive scaling: same order, and transformers' very values
+        pos = torch.arange(width, device=device)[None, :]
+        kth = vals.gather(1, (ks - 1)[:, None])
+        # The value after the k-th equals it: transformers keeps every tie at the k-th value.
+        tied = (ks < width) & (vals.gather(1, ks.clamp(max=width - 1)[:, None])[:, 0] == kth[:, 0])
+        vals = vals.masked_fill(pos >= ks[:, None], float("-inf"))
+        blocks = []
+        tied_rows = tied.nonzero().flatten().tolist()
+        if tied_rows:
+            keep = [j for j in range(len(idx)) if j not in set(tied_rows)]
+            for j in tied_rows:  # rare: the whole row, masked below the k-th value
+                row = x[j] / temp[j]
+                row = row.masked_fill(row < kth[j], float("-inf"))
+                blocks.append(_Block([idx[j]], None, self._top_p_min_p_dense(row[None], [params[j]])))
+            if not keep:
+                return blocks
+            vals, ids, idx, params = vals[keep], ids[keep], [idx[j] for j in keep], [params[j] for j in keep]
+        vals = _top_p_sorted(vals, [p.top_p for p in params])
+        vals = _min_p(vals, [p.min_p for p in params])
+        blocks.append(_Block(idx, ids, vals))
+        return blocks
+
+    def _warp_full(self, logits, idx: list[int], params) -> list[_Block]:
+        device, vocab = logits.device, logits.shape[-1]
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None]
+        x = (logits[idx] if len(idx) < logits.shape[0] else logits) / temp
+        top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if not top_p:
+            return [_Block(idx, None, _min_p(x, [p.min_p for p in params]))]
+        blocks = []
+        plain = [j for j in range(len(idx)) if params[j].top_p >= 1.0]
+        if plain:
+            blocks.append(_Block([idx[j] for j in plain], None, _min_p(x[plain], [params[j].min_p for j in plain])))
+        sub = x[top_p]
+        ps = torch.tensor([params[j].top_p for j in top_p], dtype=torch.float32, device=device)
+        m = min(TOP_P_CANDIDATES, vocab)
+        cand_vals, cand_ids = torch.topk(sub, m, dim=-1)
+        probs = torch.exp(cand_vals - sub.logsumexp(dim=-1, keepdim=True))
+        above = probs.cumsum(dim=-1) - probs  # mass strictly more likely than each candidate
+        # Clear: the least likely candidate is already dropped (so is everything after it), and no
+        # candidate sits within the margin of the threshold.
+        clear = (above[:, -1] > ps + TOP_P_MARGIN) & ((above - ps[:, None]).abs() > TOP_P_MARGIN).all(dim=-1)
+        clear = clear.tolist()
+        fast = [j for j, ok in enumerate(clear) if ok]
+        slow = [j for j, ok in enumerate(clear) if not ok]
+        if fast:
+            vals = cand_vals[fast].masked_fill(above[fast] >= ps[fast][:, None], float("-inf"))
+            vals = _min_p(vals, [params[top_p[j]].min_p for j in fast])
+            blocks.append(_Block([idx[top_p[j]] for j in fast], cand_ids[fast], vals))
+        if slow:
+            rows = self._top_p_min_p_dense(sub[slow], [params[top_p[j]] for j in slow])
+            blocks.append(_Block([idx[top_p[j]] for j in slow], None, rows))
+        return blocks
+
+    @staticmethod
+    def _top_p_min_p_dense(x: torch.Tensor, params) -> torch.Tensor:
+        """transformers' TopPLogitsWarper then MinPLogitsWarper on whole rows ([r, vocab])."""
+        ps = [p.top_p for p in params]
+        if any(p < 1.0 for p in ps):
+            sorted_vals, order = torch.sort(x, descending=False)
+            cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
+            p = torch.tensor(ps, dtype=x.dtype, device=x.device)[:, None]
+            drop = (cum <= 1 - p) & (p < 1.0)
+            drop[:, -1] = False  # the most likely token always stays
+            x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        return _min_p(x, [p.min_p for p in params])
+
+
+# ---------------------------------------------------------------------- helpers
+def _tensor(arrays: list[np.ndarray], device) -> torch.Tensor:
+    return torch.from_numpy(np.concatenate(arrays)).to(device)
+
+
+def _bias_arrays(params) -> tuple[np.ndarray, np.ndarray]:
+    cached = params.__dict__.get("_bias_arrays")
+    if cached is None or cached[0] is not params.logit_bias:
+        items = sorted(params.logit_bias.items())
+        cached = (params.logit_bias, np.array([t for t, _ in items], dtype=np.int64),
+                  np.array([b for _, b in items], dtype=np.float32))
+        params.__dict__["_bias_arrays"] = cached
+    return cached[1], cached[2]
+
+
+def _top_p_sorted(vals: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Top-p on values sorted most likely first ([r, K], -inf padded), as transformers decides it:
+    ascending cumulative probability <= 1 - top_p is dropped; the most likely token stays."""
+    if all(p >= 1.0 for p in ps):
+        return vals
+    p = torch.tensor(ps, dtype=vals.dtype, device=vals.device)[:, None]
+    cum = vals.flip(-1).softmax(dim=-1).cumsum(dim=-1).flip(-1)
+    drop = (cum <= 1 - p) & (p < 1.0)
+    drop[:, 0] = False
+    return vals.masked_fill(drop, float("-inf"))
+
+
+def _min_p(vals: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the largest."""
+    if all(m == 0 for m in min_ps):
+        return vals
+    m = torch.tensor(min_ps, dtype=vals.dtype, device=vals.device)[:, None]
+    probs = vals.softmax(dim=-1)
+    drop = probs < m * probs.amax(dim=-1, keepdim=True)
+    return vals.masked_fill(drop, float("-inf"))
+
+
+def _draw(block: _Block, positions: list[int], seeds: list[int]) -> list[int]:
+    """Inverse-CDF draw per row at u = uniform(seed, position), over the kept tokens in id order."""
+    vals, ids = block.vals, block.ids
+    if ids is not None:  # canonical (token id) order, so the draw does not depend on topk's tie order
+        vocab_sentinel = torch.iinfo(torch.int64).max
+        ids = ids.masked_fill(torch.isinf(vals), vocab_sentinel)
+        ids, order = ids.sort(dim=-1)
+        vals = vals.gather(1, order)
+    probs = torch.softmax(vals, dim=-1)
+    u = torch.tensor([uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float64, device=vals.device)
+    j = _inverse_cdf(probs, u)
+    picked = j if ids is None else ids.gather(1, j[:, None])[:, 0]
+    return picked.tolist()
+
+
+CDF_CHUNK = 256
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of `probs` ([r, K] fp32, rows summing to ~1), the index where the CDF first exceeds
+    u * total (u: [r] fp64 in [0, 1)). Two levels, so that no token's share is lost to fp32 rounding
+    at large K without a float64 pass over the whole row: chunk masses (fp32 sums of CDF_CHUNK
+    tokens, accumulated in fp64) pick the chunk, an fp64 cumsum inside it picks the token."""
+    r, k = probs.shape
+    size = next((c for c in (CDF_CHUNK, CDF_CHUNK // 2, CDF_CHUNK // 4) if k % c == 0), CDF_CHUNK)
+    pad = -k % size  # a vocabulary that is a multiple of 64 needs no padded copy
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    chunks = padded.view(r, -1, size)
+    mass = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [r, num_chunks]
+    x = u * mass[:, -1]
+    c = torch.searchsorted(mass, x[:, None], right=True)[:, 0].clamp(max=mass.shape[-1] - 1)
+    before = torch.where(c > 0, mass.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(x))
+    inner = chunks[torch.arange(r, device=probs.device), c].double().cumsum(dim=-1)  # [r, CDF_CHUNK]
+    j = torch.searchsorted(inner, (x - before)[:, None], right=True)[:, 0]
+    # right=True lands on a token with probability > 0, unless rounding put the target at or past
+    # the chunk's (or the row's) end: then the last token with any probability there is taken.
+    for row in (j >= size).nonzero().flatten().tolist():
+        in_chunk = (chunks[row, c[row]] > 0).nonzero()
+        j[row] = int(in_chunk.max()) if len(in_chunk) else -1
+    j = torch.where(j >= 0, c * size + j, j)
+    for row in (j < 0).nonzero().flatten().tolist():
+        j[row] = int((probs[row] > 0).nonzero().max())
+    return j
+
+
+def _dense(block: _Block, vocab: int) -> torch.Tensor:
+    """The block's rows as [r, vocab] logits, -inf outside the kept tokens."""
+    if block.ids is None:
+        return block.vals.clone()
+    out = torch.full((len(block.rows), vocab), float("-inf"), device=block.vals.device)
+    r, c = (~torch.isinf(block.vals)).nonzero(as_tuple=True)
+    out[r, block.ids[r, c]] = block.vals[r, c]
+    return out
+
+
+def _logprobs(block: _Block, tokens: list[int], params) -> dict[int, TokenLogprobs]:
+    """Logprobs of each row's chosen token and its top k, under the block's distribution."""
+    logp = torch.log_softmax(block.vals, dim=-1)
+    ids = block.ids
+    chosen = torch.tensor([tokens[i] for i in block.rows], device=logp.device)
+    if ids is None:
+        col = chosen[:, None]
+    else:
+        match = ids == chosen[:, None]
+        col = match.int().argmax(dim=-1, keepdim=True)
+        found = match.any(dim=-1)
+    chosen_lp = logp.gather(1, col)[:, 0]
+    if ids is not None:
+        chosen_lp = torch.where(found, chosen_lp, torch.full_like(chosen_lp, float("-inf")))
+    rank = (logp > chosen_lp[:, None]).sum(dim=-1) + 1
+    kmax = max(params[i].logprobs for i in block.rows)
+    top_lp, top_col = (logp.topk(min(kmax, logp.shape[-1]), dim=-1) if kmax else (logp[:, :0], logp[:, :0].long()))
+    top_ids = top_col if ids is None else ids.gather(1, top_col)
+    chosen_lp, rank, top_lp, top_ids = chosen_lp.tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
+    out = {}
+    for j, i in enumerate(block.rows):
+        k = params[i].logprobs
+        out[i] = TokenLogprobs(tokens[i], chosen_lp[j], rank[j], list(zip(top_ids[j][:k], top_lp[j][:k])))
+    return out
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Per row of raw `logits` ([r, vocab]): the log-probability and rank of `token_ids[row]` and the
+    `k` most likely tokens, under log_softmax of the row (prompt logprobs)."""
+    block = _Block(list(range(len(token_ids))), None, logits.float())
+    found = _logprobs(block, token_ids, [_K(k)] * len(token_ids))
+    return [found[i] for i in range(len(token_ids))]
+
+
+@dataclass
+class _K:
+    logprobs: int
+
+
+def processed_logits(row: torch.Tensor, state: SamplingState, extra: tuple[int, ...] = ()) -> torch.Tensor:
+    """[vocab] logits after the request's processors and warpers, -inf outside the tokens they keep:
+    what transformers' `LogitsProcessorList` returns for the same settings (a one-row `Sampler` call)."""
+    state.sync()
+    x = row.float().clone()[None]
+    sampler = Sampler()
+    rows = [SampleRow(state, tuple(extra))]
+    sampler._process(x, rows)
+    if state.params.is_greedy:
+        return x[0]
+    (block,) = sampler._warp(x, rows, [0])
+    return _dense(block, x.shape[-1])[0]
+
+
+def sample_processed(processed: torch.Tensor, state: SamplingState, extra: tuple[int, ...] = ()) -> int:
+    """The token drawn from already processed logits ([vocab]) at `state`'s next position (after
+    `extra`): argmax when greedy, else the inverse-CDF draw keyed by (seed, position)."""
+    if state.params.is_greedy:
+        return int(processed.argmax())
+    return _draw(_Block([0], None, processed.float()[None]), [state.position + len(extra)], [state.seed])[0]
