@@ -1,8 +1,9 @@
 """Offline throughput: stock static batching, transformers' continuous batching and hf_paged's engine.
 
 One seeded workload (default: 64 requests, prompt lengths uniform in 20-600 tokens, output lengths
-uniform in 16-256 tokens, different per request; SmolLM2-135M-Instruct fp32, greedy), run in the same
-process by each method on the same requests. Every request produces exactly its own output length
+uniform in 16-256 tokens, different per request; SmolLM2-135M-Instruct fp32), run in the same process
+by each method on the same requests, once greedy and once sampling with temperature=0.8, top_p=0.95,
+top_k=50, repetition_penalty=1.1 (`--modes`). Every request produces exactly its own output length
 (min_new_tokens = max_new_tokens = n, so EOS cannot stop it early).
 
 Methods:
@@ -13,14 +14,19 @@ Methods:
     `run_generate_batch` for why the manager is driven directly: per-request output lengths).
   * hf_paged: `hf_paged.Engine`.
 
-For each method it prints wall seconds, useful output tokens, output tokens/s, tokens processed (real;
-and, for static batching, padded), the hf_paged ratio (hf_paged tok/s / method tok/s), and the MFU:
-model FLOPs of the useful work / wall / measured fp32 GEMM FLOP/s (the peak is measured in the same
-run, before and after the methods; the higher is used). Greedy agreement with hf_paged is
-informational. The last line sums the ratios up against the targets (>= 2x static batching, >= 3x
-generate_batch, MFU >= 35%).
+For each method and mode it prints wall seconds, useful output tokens, output tokens/s, tokens
+processed (real; and, for static batching, padded), the hf_paged ratio (hf_paged tok/s / method tok/s
+in the same mode), each method's sampling/greedy ratio, and the MFU: model FLOPs of the useful work /
+wall / measured fp32 GEMM FLOP/s (the peak is measured in the same run, before and after the methods;
+the higher is used). hf_paged's run is profiled per step from the engine's own timers (time in
+`step()`, in the forward, in the sampler): the sampler's share of step time is printed over the
+steps with `--max-num-seqs` requests running, and overall. Greedy agreement with hf_paged is
+informational. The last lines sum the ratios up against the targets (>= 2x static batching, >= 3x
+generate_batch, MFU >= 35%; sampling: hf_paged sampling >= 0.95x its greedy throughput, sampler <= 3%
+of step time at full batch).
 
     python benchmarks/throughput.py [--num-requests 64] [--threads N] [--skip generate_batch,static_bs32]
+                                    [--modes greedy,sampling]
     python benchmarks/throughput.py --num-requests 4 --max-prompt 40 --max-output 8 --skip hf_paged   # smoke
 """
 
@@ -46,6 +52,10 @@ from hf_paged.defaults.models import load_default
 from hf_paged.defaults.prompts import CHAT_PROMPTS
 
 METHODS = ("static_bs8", "static_bs32", "generate_batch", "hf_paged")
+MODES = ("greedy", "sampling")
+SAMPLING = dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
+TARGET_SAMPLING_VS_GREEDY = 0.95
+TARGET_SAMPLER_SHARE = 0.03
 TARGET_VS_STATIC = 2.0
 TARGET_VS_GENERATE_BATCH = 3.0
 TARGET_MFU = 0.35
@@ -65,6 +75,7 @@ class Result:
     padded_tokens: int | None = None  # static batching: batch x (padded prompt width + batch max new tokens)
     note: str = ""
     error: str | None = None
+    profile: dict | None = None  # hf_paged: sampler / forward shares of step time
 
 
 # ------------------------------------------------------------------------------------------------ workload
@@ -146,7 +157,7 @@ def model_flops(model, requests: list[Request]) -> float:
 # ------------------------------------------------------------------------------------------------ methods
 
 
-def run_static(model, requests: list[Request], batch_size: int, pad_id: int) -> Result:
+def run_static(model, requests: list[Request], batch_size: int, pad_id: int, sampling: bool) -> Result:
     """Stock generate, consecutive static batches, left padding, each batch runs its max n."""
     model.set_attn_implementation("sdpa")
     res = Result(f"static_bs{batch_size}", outputs=[None] * len(requests), padded_tokens=0)
@@ -159,7 +170,8 @@ def run_static(model, requests: list[Request], batch_size: int, pad_id: int) -> 
             input_ids[k, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[k, width - len(r.prompt):] = 1
         out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                             do_sample=False, pad_token_id=pad_id)
+                             pad_token_id=pad_id, **(dict(do_sample=True, **SAMPLING) if sampling else
+                                                     dict(do_sample=False)))
         return out[:, width:], len(chunk) * (width + steps)
 
     one_batch([Request(requests[0].prompt[:8], 2)] * 2)  # warm-up
@@ -174,7 +186,7 @@ def run_static(model, requests: list[Request], batch_size: int, pad_id: int) -> 
     return res
 
 
-def run_generate_batch(model, requests: list[Request], args, pad_id: int) -> Result:
+def run_generate_batch(model, requests: list[Request], args, pad_id: int, sampling: bool) -> Result:
     """transformers' continuous batching, with per-request output lengths.
 
     `model.generate_batch(inputs: list[list[int]], generation_config=..., continuous_batching_config=...,
@@ -208,8 +220,9 @@ def run_generate_batch(model, requests: list[Request], args, pad_id: int) -> Res
                                          max_requests_per_batch=args.max_num_seqs, auto_switch_to_flash=False)
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    gen_config = GenerationConfig(do_sample=False, max_new_tokens=max_n, eos_token_id=-1, pad_token_id=pad_id,
-                                  suppress_tokens=eos_ids or None)
+    gen_config = GenerationConfig(max_new_tokens=max_n, eos_token_id=-1, pad_token_id=pad_id,
+                                  suppress_tokens=eos_ids or None,
+                                  **(dict(do_sample=True, **SAMPLING) if sampling else dict(do_sample=False)))
     res.note = (f"attn={args.gb_attn} page_size={page} num_blocks={num_blocks} max_batch_tokens="
                 f"{args.max_num_batched_tokens} max_requests_per_batch={args.max_num_seqs}")
 
@@ -259,8 +272,9 @@ def run_generate_batch(model, requests: list[Request], args, pad_id: int) -> Res
     return res
 
 
-def run_hf_paged(model, requests: list[Request], args) -> Result:
-    """hf_paged's Engine on the same model object (attention switched to "hf_paged")."""
+def run_hf_paged(model, requests: list[Request], args, sampling: bool) -> Result:
+    """hf_paged's Engine on the same model object (attention switched to "hf_paged"), stepped by hand
+    (what `generate` does) so that each step's profile is read from the engine's own timers."""
     from hf_paged import Engine, SamplingParams
 
     model.set_attn_implementation("hf_paged")
@@ -269,13 +283,37 @@ def run_hf_paged(model, requests: list[Request], args) -> Result:
     # min_new_tokens = max_new_tokens = n masks EOS for all n tokens, as stock generate's min_new_tokens
     # does, so each request produces exactly n tokens and greedy outputs are comparable. Not ignore_eos=True:
     # hf_paged (like vLLM) leaves EOS out of the masked end tokens then, so EOS can be emitted mid-output.
-    params = [SamplingParams(max_new_tokens=r.n, min_new_tokens=r.n) for r in requests]
+    extra = SAMPLING if sampling else {}
+    params = [SamplingParams(max_new_tokens=r.n, min_new_tokens=r.n, seed=i, **extra) for i, r in enumerate(requests)]
     engine.generate([requests[0].prompt[:8]] * 2,
-                    [SamplingParams(max_new_tokens=2, min_new_tokens=2)] * 2)  # warm-up
+                    [SamplingParams(max_new_tokens=2, min_new_tokens=2, **extra)] * 2)  # warm-up
+    engine.reset_metrics()
+    steps = []  # (requests running in the step, step s, sampler s, forward s)
     start = time.perf_counter()
-    outs = engine.generate([r.prompt for r in requests], params)
+    ids = [engine.add_request(r.prompt, p) for r, p in zip(requests, params)]
+    finished = {}
+    last = engine.step_profile()
+    while engine.has_unfinished_requests():
+        done = 0
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+                done += 1
+        running = len(engine.scheduler.running) + done  # the requests this step ran
+        now = engine.step_profile()
+        steps.append((running, now["step_seconds"] - last["step_seconds"],
+                      now["sampler_seconds"] - last["sampler_seconds"], now["forward_seconds"] - last["forward_seconds"]))
+        last = now
     wall = time.perf_counter() - start
-    res = Result("hf_paged", wall=wall, outputs=[list(o.token_ids) for o in outs])
+    res = Result("hf_paged", wall=wall, outputs=[list(finished[i].token_ids) for i in ids])
+    full = [s for s in steps if s[0] >= args.max_num_seqs]
+
+    def shares(rows):
+        step = sum(r[1] for r in rows)
+        return dict(num_steps=len(rows), step_s=step, sampler=sum(r[2] for r in rows) / step if step else None,
+                    forward=sum(r[3] for r in rows) / step if step else None)
+
+    res.profile = dict(full=shares(full), all=shares(steps))
     try:
         res.note = engine.metrics_summary()
     except Exception as exc:  # noqa: BLE001 - informational only
@@ -310,8 +348,12 @@ def main():
     parser.add_argument("--gb-page-size", type=int, default=256, help="generate_batch page size (its default)")
     parser.add_argument("--gb-uniform", action="store_true",
                         help="call model.generate_batch itself (one max_new_tokens = max n for all requests)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
     parser.add_argument("--verbose", action="store_true", help="keep transformers' warnings")
     args = parser.parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or set(modes) - set(MODES):
+        parser.error(f"--modes takes a comma list from {MODES}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     if skip - set(METHODS):
         parser.error(f"unknown methods in --skip: {sorted(skip - set(METHODS))}; choose from {METHODS}")
@@ -344,27 +386,29 @@ def main():
     print(f"measured fp32 GEMM (before): 2048^3 square {square / 1e9:.1f} GFLOP/s; "
           f"[2048x576]@[576x1536] {shaped / 1e9:.1f} GFLOP/s", flush=True)
 
-    results: dict[str, Result] = {}
+    results: dict[tuple[str, str], Result] = {}
     runners = {
-        "static_bs8": lambda: run_static(model, requests, 8, pad_id),
-        "static_bs32": lambda: run_static(model, requests, 32, pad_id),
-        "generate_batch": lambda: run_generate_batch(model, requests, args, pad_id),
-        "hf_paged": lambda: run_hf_paged(model, requests, args),
+        "static_bs8": lambda s: run_static(model, requests, 8, pad_id, s),
+        "static_bs32": lambda s: run_static(model, requests, 32, pad_id, s),
+        "generate_batch": lambda s: run_generate_batch(model, requests, args, pad_id, s),
+        "hf_paged": lambda s: run_hf_paged(model, requests, args, s),
     }
-    for name in METHODS:
-        if name in skip:
-            continue
-        print(f"running {name} ...", flush=True)
-        try:
-            res = runners[name]()
-            check_lengths(res, requests)
-        except Exception as exc:  # noqa: BLE001 - report and go on with the other methods
-            res = Result(name, error=f"{type(exc).__name__}: {exc}")
-            if args.verbose:
-                traceback.print_exc()
-        results[name] = res
-        print(f"  {name}: " + (f"SKIPPED ({res.error})" if res.error else f"{res.wall:.2f} s"), flush=True)
-        model.set_attn_implementation("sdpa")
+    for mode in modes:
+        for name in METHODS:
+            if name in skip:
+                continue
+            print(f"running {name} ({mode}) ...", flush=True)
+            torch.manual_seed(0)
+            try:
+                res = runners[name](mode == "sampling")
+                check_lengths(res, requests)
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other methods
+                res = Result(name, error=f"{type(exc).__name__}: {exc}")
+                if args.verbose:
+                    traceback.print_exc()
+            results[(mode, name)] = res
+            print(f"  {name} ({mode}): " + (f"SKIPPED ({res.error})" if res.error else f"{res.wall:.2f} s"), flush=True)
+            model.set_attn_implementation("sdpa")
 
     # Measured again after the methods; the higher square-GEMM median is the peak for MFU (a busy or
     # throttling machine can only make a measurement lower).
@@ -376,43 +420,68 @@ def main():
 
     ok = {k: v for k, v in results.items() if v.error is None}
     tps = {k: useful / v.wall for k, v in ok.items()}
-    paged_tps = tps.get("hf_paged")
 
-    print(f"\n{'method':16}{'wall s':>10}{'useful out':>12}{'out tok/s':>11}{'real tok':>10}{'padded tok':>12}"
-          f"{'MFU':>8}{'paged/x':>9}")
-    for name, res in results.items():
+    print(f"\n{'method':16}{'mode':>10}{'wall s':>10}{'useful out':>12}{'out tok/s':>11}{'real tok':>10}"
+          f"{'padded tok':>12}{'MFU':>8}{'paged/x':>9}{'samp/greedy':>13}")
+    for (mode, name), res in results.items():
         if res.error:
-            print(f"{name:16}  skipped: {res.error}")
+            print(f"{name:16}{mode:>10}  skipped: {res.error}")
             continue
         padded = f"{res.padded_tokens:12d}" if res.padded_tokens is not None else f"{'-':>12}"
-        ratio = f"{paged_tps / tps[name]:9.2f}" if paged_tps else f"{'-':>9}"
-        print(f"{name:16}{res.wall:10.2f}{useful:12d}{tps[name]:11.1f}{real_tokens:10d}{padded}"
-              f"{flops / res.wall / square:8.1%}{ratio}")
-    for name, res in results.items():
+        paged = tps.get((mode, "hf_paged"))
+        ratio = f"{paged / tps[(mode, name)]:9.2f}" if paged else f"{'-':>9}"
+        greedy = tps.get(("greedy", name))
+        vs_greedy = f"{tps[(mode, name)] / greedy:13.2f}" if mode == "sampling" and greedy else f"{'-':>13}"
+        print(f"{name:16}{mode:>10}{res.wall:10.2f}{useful:12d}{tps[(mode, name)]:11.1f}{real_tokens:10d}{padded}"
+              f"{flops / res.wall / square:8.1%}{ratio}{vs_greedy}")
+    for (mode, name), res in results.items():
         if res.note and not res.error:
-            print(f"  {name}: {res.note}")
+            print(f"  {name} ({mode}): {res.note}")
+    for mode in modes:
+        res = ok.get((mode, "hf_paged"))
+        if res is not None and res.profile:
+            full, every = res.profile["full"], res.profile["all"]
+            fmt = lambda x: "n/a" if x is None else f"{x:.2%}"  # noqa: E731
+            print(f"  hf_paged ({mode}) step profile: sampler {fmt(full['sampler'])} / forward {fmt(full['forward'])} of "
+                  f"step time over the {full['num_steps']} steps with {args.max_num_seqs} requests running "
+                  f"({full['step_s']:.1f} s); over all {every['num_steps']} steps: sampler {fmt(every['sampler'])}, "
+                  f"forward {fmt(every['forward'])}")
 
-    ref = "hf_paged" if "hf_paged" in ok else next(iter(ok), None)
-    if ref:
-        print(f"\ngreedy agreement with {ref} (informational; requests with identical tokens / total):")
-        for name, res in ok.items():
-            if name == ref:
+    ref = ("greedy", "hf_paged")
+    if ref in ok:
+        print("\ngreedy agreement with hf_paged (informational; requests with identical tokens / total):")
+        for (mode, name), res in ok.items():
+            if mode != "greedy" or name == "hf_paged":
                 continue
             pairs = [(a, b) for a, b in zip(ok[ref].outputs, res.outputs) if a is not None and b is not None]
             same = sum(a == b for a, b in pairs)
             print(f"  {name:16}{same}/{len(pairs)}")
 
-    def verdict(value, target):
-        return "n/a" if value is None else f"{value:.2f}x ({'PASS' if value >= target else 'MISS'} >= {target}x)"
+    def verdict(value, target, below=False):
+        if value is None:
+            return "n/a"
+        good = value <= target if below else value >= target
+        return f"{value:.2f}x ({'PASS' if good else 'MISS'} {'<=' if below else '>='} {target}x)"
 
-    def ratio_to(name):
-        return paged_tps / tps[name] if paged_tps and name in tps else None
+    def ratio_to(mode, name):
+        paged = tps.get((mode, "hf_paged"))
+        return paged / tps[(mode, name)] if paged and (mode, name) in tps else None
 
-    mfu = flops / ok["hf_paged"].wall / square if "hf_paged" in ok else None
-    mfu_s = "n/a" if mfu is None else f"{mfu:.1%} ({'PASS' if mfu >= TARGET_MFU else 'MISS'} >= {TARGET_MFU:.0%})"
-    print(f"\nSUMMARY hf_paged vs static bs8 {verdict(ratio_to('static_bs8'), TARGET_VS_STATIC)}, "
-          f"vs static bs32 {verdict(ratio_to('static_bs32'), TARGET_VS_STATIC)}, "
-          f"vs generate_batch {verdict(ratio_to('generate_batch'), TARGET_VS_GENERATE_BATCH)}, MFU {mfu_s}")
+    for mode in modes:
+        res = ok.get((mode, "hf_paged"))
+        mfu = flops / res.wall / square if res is not None else None
+        mfu_s = "n/a" if mfu is None else f"{mfu:.1%} ({'PASS' if mfu >= TARGET_MFU else 'MISS'} >= {TARGET_MFU:.0%})"
+        print(f"\nSUMMARY ({mode}) hf_paged vs static bs8 {verdict(ratio_to(mode, 'static_bs8'), TARGET_VS_STATIC)}, "
+              f"vs static bs32 {verdict(ratio_to(mode, 'static_bs32'), TARGET_VS_STATIC)}, "
+              f"vs generate_batch {verdict(ratio_to(mode, 'generate_batch'), TARGET_VS_GENERATE_BATCH)}, MFU {mfu_s}")
+    if ("sampling", "hf_paged") in ok:
+        greedy = tps.get(("greedy", "hf_paged"))
+        share = ok[("sampling", "hf_paged")].profile["full"]["sampler"]
+        share_s = "n/a" if share is None else (f"{share:.2%} ({'PASS' if share <= TARGET_SAMPLER_SHARE else 'MISS'} "
+                                              f"<= {TARGET_SAMPLER_SHARE:.0%})")
+        print(f"SUMMARY (sampling) hf_paged sampling / its greedy throughput "
+              f"{verdict(tps[('sampling', 'hf_paged')] / greedy if greedy else None, TARGET_SAMPLING_VS_GREEDY)}, "
+              f"sampler share of step time at {args.max_num_seqs} running {share_s}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Each `step()` is
 
     schedule (core.scheduler) -> one StepMetadata -> one packed forward [1, num_tokens] with explicit
-    positions and no padding (worker.runner) -> logits only where a request samples -> per-request
-    sampling (worker.sampling) -> update
+    positions and no padding (worker.runner) -> logits only where a request samples -> one batched
+    sampler call over every row (worker.sampler) -> update
 
 Requests join and leave at every step; long prompts are chunked; when blocks run out the newest
 request is preempted and later recomputed (mostly from the prefix cache).
@@ -971,6 +971,13 @@ class Engine:
                     "kv_num_blocks": self.cache.pool.num_blocks, "kv_bytes_per_block": bytes_per_block,
                     "kv_peak_blocks": self._metrics.peak_kv_blocks,
                     "kv_peak_bytes": self._metrics.peak_kv_blocks * bytes_per_block}
+
+    def step_profile(self) -> dict:
+        """Cumulative wall seconds in `step()`, its forwards and its sampler calls, and the tokens fed
+        to the forwards, since creation or `reset_metrics()`; cheap enough to read after every step."""
+        m = self._metrics
+        return dict(step_seconds=m.step_seconds, forward_seconds=m.forward_seconds,
+                    sampler_seconds=m.sampler_seconds, num_forward_tokens=m.num_forward_tokens)
 
     def metrics_summary(self) -> str:
         with self._lock:

@@ -83,8 +83,11 @@ class PagedLayer(CacheLayerMixin):
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if self.is_initialized:
-            self.keys[dst.to(self.device)] = self.keys[src.to(self.device)]
-            self.values[dst.to(self.device)] = self.values[src.to(self.device)]
+            # Tensors first written inside an engine forward are inference tensors: copy-on-write
+            # before the next forward must write them in the same mode.
+            with torch.inference_mode(self.keys.is_inference()):
+                self.keys[dst.to(self.device)] = self.keys[src.to(self.device)]
+                self.values[dst.to(self.device)] = self.values[src.to(self.device)]
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError("PagedLayer is written through PagedCache.update")

@@ -49,7 +49,7 @@ def verify_greedy(target_tokens: list[int], draft_tokens: list[int]) -> list[int
 def target_tokens(logits: torch.Tensor, state: SamplingState, draft_tokens: list[int]) -> list[int]:
     """The target's own token at each of the k + 1 verified positions: position j sees the history
     extended by the first j drafts (repetition penalty, min_new_tokens), and samples exactly as a
-    step without speculation would (greedy argmax, or the Gumbel-max draw keyed by its position).
+    step without speculation would (greedy argmax, or the inverse-CDF draw keyed by its position).
 
     Args:
         logits: [k + 1, vocab] raw target logits at the verified positions.

@@ -57,7 +57,8 @@ class TokenLogprobs:
         token_id: the token taken there.
         logprob: its log-probability.
         rank: its rank in the distribution (1 = most likely).
-        top: the `k` most likely `(token_id, logprob)` pairs, most likely first.
+        top: the `k` most likely `(token_id, logprob)` pairs, most likely first; only tokens the
+            processors kept (fewer than k when top-k / top-p / min-p keep fewer).
     """
 
     token_id: int
@@ -306,13 +307,9 @@ def _tensor(arrays: list[np.ndarray], device) -> torch.Tensor:
 
 
 def _bias_arrays(params) -> tuple[np.ndarray, np.ndarray]:
-    cached = params.__dict__.get("_bias_arrays")
-    if cached is None or cached[0] is not params.logit_bias:
-        items = sorted(params.logit_bias.items())
-        cached = (params.logit_bias, np.array([t for t, _ in items], dtype=np.int64),
-                  np.array([b for _, b in items], dtype=np.float32))
-        params.__dict__["_bias_arrays"] = cached
-    return cached[1], cached[2]
+    bias = params.logit_bias
+    return np.fromiter(bias.keys(), dtype=np.int64, count=len(bias)), np.fromiter(
+        bias.values(), dtype=np.float32, count=len(bias))
 
 
 def _top_p_sorted(vals: torch.Tensor, ps: list[float]) -> torch.Tensor:
@@ -414,7 +411,8 @@ def _logprobs(block: _Block, tokens: list[int], params) -> dict[int, TokenLogpro
     out = {}
     for j, i in enumerate(block.rows):
         k = params[i].logprobs
-        out[i] = TokenLogprobs(tokens[i], chosen_lp[j], rank[j], list(zip(top_ids[j][:k], top_lp[j][:k])))
+        top = [(t, lp) for t, lp in zip(top_ids[j][:k], top_lp[j][:k]) if lp > float("-inf")]
+        out[i] = TokenLogprobs(tokens[i], chosen_lp[j], rank[j], top)
     return out
 
 
