@@ -297,6 +297,7 @@ CASES = [
     Case("top_p-0.5-3001", S(temperature=1.0, top_p=0.5), vocab=3001),
     Case("top_p-peaky-5000", S(temperature=1.0, top_p=0.9), vocab=5000, kind="peaky"),
     Case("top_p-flat-5000", S(temperature=1.0, top_p=0.9), vocab=5000, kind="flat"),
+    Case("top_p-flat-32000", S(temperature=1.0, top_p=0.9), vocab=32000, kind="flat"),
     Case("top_p-peaky-32000", S(temperature=0.9, top_p=0.9), vocab=32000, kind="peaky"),
     Case("top_p-peaky-151936", S(temperature=1.5, top_p=0.8), vocab=151936, kind="peaky"),
     Case("temperature-0.05+top_p", S(temperature=0.05, top_p=0.9)),
@@ -380,13 +381,13 @@ class _Spy:
 
 
 @pytest.mark.parametrize("name,fast", [("top_p-peaky-5000", True), ("top_p-peaky-32000", True),
-                                       ("top_p-peaky-151936", True),
-                                       ("top_p+min_p-peaky-5000", True), ("top_p-flat-5000", False)])
+                                       ("top_p-peaky-151936", True), ("top_p+min_p-peaky-5000", True),
+                                       ("top_p-flat-5000", False), ("top_p-flat-32000", False)])
 def test_top_p_fast_path_and_its_fallback_both_match(monkeypatch, name, fast):
-    """Peaky rows are decided from the TOP_P_CANDIDATES most likely tokens, flat ones fall back to the
-    full sort; both equal transformers' full sort."""
+    """Peaky rows are decided from the most likely TOP_P_CANDIDATES tokens; flat rows, whose tokens
+    each hold about the margin's mass, fall back to the full sort; all equal transformers' full sort."""
     c = BY_NAME[name]
-    assert c.vocab > TOP_P_CANDIDATES
+    assert c.vocab > TOP_P_CANDIDATES[0]
     spy = _Spy(Sampler._top_p_min_p_dense)
     monkeypatch.setattr(Sampler, "_top_p_min_p_dense", staticmethod(spy))
     row, history = c.inputs()
@@ -520,7 +521,7 @@ MUTATIONS = [
     ("top_k 998 for 999", "top_k-vocab-minus-1", _p(top_k=998), ()),
     ("top_k dropping ties", "top_k-ties", _SAME, ("top_k_no_ties",)),
     ("top_p 0.92 for 0.9", "top_p-0.9", _p(top_p=0.92), ()),
-    ("top_p 0.88 for 0.9 (full-sort fallback)", "top_p-flat-5000", _p(top_p=0.88), ()),
+    ("top_p 0.88 for 0.9 (full-sort fallback)", "top_p-flat-32000", _p(top_p=0.88), ()),
     ("top_p 0.93 for 0.9 (fast path)", "top_p-peaky-5000", _p(top_p=0.93), ()),
     ("min_p 0.2 for 0.1", "min_p-0.1", _p(min_p=0.2), ()),
     ("min_p 0.2 for 0.1 (ties)", "min_p-ties", _p(min_p=0.2), ()),
