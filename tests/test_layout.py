@@ -226,9 +226,12 @@ def test_no_private_names_imported_across_sub_packages():
 
 
 # Private attributes that belong to torch / transformers objects, read the way their own code does
-# (`_prepare_generation_config`: transformers' own merge of generation configs, used by the
-# version-guarded integrations so that drop-in generate sees exactly what stock sees).
-FOREIGN_PRIVATES = {"_attn_implementation", "_version", "_prepare_generation_config"}
+# (`_prepare_generation_config`, `_prepare_generated_length`, `_prepare_special_tokens`: transformers'
+# own merge of generation configs, lengths and special tokens, and `_get_logits_processor`, its own
+# processors for the finished rows' scores, used by the version-guarded integrations so that drop-in
+# generate sees and returns exactly what stock does).
+FOREIGN_PRIVATES = {"_attn_implementation", "_version", "_prepare_generation_config", "_prepare_generated_length",
+                    "_prepare_special_tokens", "_get_logits_processor"}
 
 
 def test_no_private_attribute_reach_ins():

@@ -195,7 +195,9 @@ class Engine:
         self._groups: dict[str, _Group] = {}  # live requests by the id the caller knows
         self._ids = itertools.count()
         self._metrics = EngineMetrics()
-        self._updates: list[RequestOutput] = []  # what the step in progress produced
+        # Requests the step in progress advanced (by the id the caller knows), their outputs built once
+        # at its end: a request of n samples costs one output per step, not one per sample.
+        self._updates: dict[str, _Tracked] = {}
         self._consecutive_failed_steps = 0
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
@@ -367,9 +369,8 @@ class Engine:
             self._update_gauges()
             if failure is not None:
                 raise failure  # what the step produced before failing comes with the next step
-            updates, self._updates = self._updates, []
-            latest = {u.request_id: u for u in updates}  # one output per request (its samples merged)
-            return list(latest.values())
+            updates, self._updates = self._updates, {}
+            return [self._output(tracked) for tracked in updates.values()]
 
     def advance(self) -> None:
         """`step()` for callers that only need progress (the fronts, the loop): a failed step is
@@ -546,7 +547,7 @@ class Engine:
             return
         rejected = num_drafts - (len(tokens) - 1)
         self.scheduler.rollback(request, rejected)
-        self._updates.append(self._output(tracked))
+        self._updates[tracked.public_id] = tracked
 
     def _end_reason(self, params: SamplingParams, num_out: int, total: int, token: int) -> str | None:
         if num_out >= params.min_new_tokens and (
@@ -751,12 +752,12 @@ class Engine:
         if not group.forked:  # it ended before its other samples existed: they end with it
             group.forked = True
             group.unforked_reason = reason
-        output = self._output(tracked)
+        output = self._output(tracked) if group.finished else None  # built once, by the last sample
         if group.finished:
             with self._registry_lock:
                 self._groups.pop(group.request_id, None)
         if report:
-            self._updates.append(output)
+            self._updates[tracked.public_id] = tracked
         if tracked.inbox is not None:  # each sample's end event; the request's last one carries its output
             if last_event is None:
                 text = tail if tracked.detok is not None else None
@@ -765,7 +766,7 @@ class Engine:
                 last_event.finish_reason = reason
                 if tail:
                     last_event.text = (last_event.text or "") + tail
-            tracked.inbox.put(last_event, output if group.finished else None)
+            tracked.inbox.put(last_event, output)
 
     def _settle_text(self, tracked: _Tracked) -> str:
         """Set the finished request's `.text`; returns the stream's last delta. If the incremental

@@ -2,8 +2,8 @@
 
 Two small wraps, both undone by `uninstall()`:
 
-* `GenerationMixin.generate`: a plain batched call (greedy or sampling, no beams, no extra outputs)
-  runs through the continuous-batching `Engine` (`integrations.batch_generate`), returning what stock
+* `GenerationMixin.generate`: a plain batched call (greedy or sampling, `num_return_sequences`,
+  `output_scores` / `output_logits`; no beams, attentions or custom processors) runs through the continuous-batching `Engine` (`integrations.batch_generate`), returning what stock
   returns. Any other call goes on to stock generate unchanged.
 * `GenerationMixin._prepare_cache_for_generation` (private; transformers has no registry for cache
   classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any

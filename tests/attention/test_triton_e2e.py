@@ -46,6 +46,7 @@ def test_generate_with_triton_kernels_matches_stock(name, monkeypatch):
         monkeypatch.setattr(module, name_, lambda *a, _o=original, _n=name_, **k: used.append(_n) or _o(*a, **k))
     monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
     model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # the stock generate path over a PagedCache
     model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=16)
     out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
 

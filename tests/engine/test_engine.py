@@ -357,8 +357,7 @@ def test_dropin_generate_falls_back_where_the_engine_cannot_follow(engine_calls)
     input_ids, attention_mask = left_padded_batch([5, 17], seed=1)
     model = tiny_model("llama", "hf_paged")
     stock = tiny_model("llama", "sdpa")
-    for kwargs in (dict(output_scores=True, return_dict_in_generate=True), dict(num_beams=2),
-                   dict(no_repeat_ngram_size=2)):
+    for kwargs in (dict(sequence_bias={(5, 6): -1.0}), dict(num_beams=2), dict(suppress_tokens=[5])):
         out = model.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=6, **kwargs)
         ref = stock.generate(input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=6, **kwargs)
         seq = out.sequences if hasattr(out, "sequences") else out

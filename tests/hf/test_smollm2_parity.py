@@ -40,6 +40,7 @@ def test_batched_left_padded_parity(model_and_tokenizer):
     model.set_attn_implementation("sdpa")
     ref = _generate(model, inputs)
     model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # the stock generate path over a PagedCache
     out = _generate(model, inputs)
     _assert_parity(ref, out)
     assert cache_of(out).stats()["num_tokens"] == int(lengths.sum()) + len(CHAT_PROMPTS) * (NEW_TOKENS - 1)
@@ -52,6 +53,7 @@ def test_one_at_a_time_parity(model_and_tokenizer):
         model.set_attn_implementation("sdpa")
         ref = _generate(model, inputs)
         model.set_attn_implementation("hf_paged")
+        model.hf_paged_use_engine = False  # the stock generate path over a PagedCache
         out = _generate(model, inputs)
         _assert_parity(ref, out)
 

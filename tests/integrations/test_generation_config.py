@@ -1,7 +1,7 @@
 """Drop-in sampling honours the merged generation config exactly: transformers' defaults
 (`top_k=50`), the model's generation config, the pipeline's defaults and explicit settings.
 
-Each case draws the first sampled token of 6,000 identical rows through the engine route of
+Each case draws the first sampled token of 5,000 identical rows through the engine route of
 `model.generate` (a spy checks the engine served it) and compares the counts with stock's own
 processed distribution (`output_scores` of stock `generate`, softmaxed) by Pearson's chi-square at
 significance 0.001. A deliberately wrong `top_k` must fail the same test. Field-by-field mapping and
@@ -19,7 +19,7 @@ from transformers import GenerationConfig, LlamaConfig, AutoModelForCausalLM
 import hf_paged.integrations.batch_generate as batch_generate
 from hf_paged.integrations.generation_config import merged_generation_config, sampling_params_from
 from stats import chi2_critical, chi2_statistic
-from tiny_models import tiny_model
+from tiny_models import VOCAB, tiny_model
 
 NUM_DRAWS = 5000
 PROMPT = [5, 9, 5, 9, 17, 5, 33]  # repeats, so a repetition penalty changes the distribution
@@ -76,6 +76,9 @@ CASES = {
     "temperature": dict(do_sample=True, temperature=0.6),
     "repetition_penalty": dict(do_sample=True, repetition_penalty=1.8, temperature=0.5),
     "all_together": dict(do_sample=True, top_k=30, top_p=0.9, temperature=0.7, repetition_penalty=1.3),
+    "min_p": dict(do_sample=True, top_k=0, min_p=0.05, temperature=1.3),
+    "bias_and_bans": dict(do_sample=True, top_k=40, sequence_bias={(5,): 2.0, (33,): -1.0},
+                          bad_words_ids=[[9], [33, 40]]),
 }
 
 
@@ -150,26 +153,75 @@ def _merged(**kwargs):
 def test_defaults_map_field_by_field():
     params = sampling_params_from(_merged(do_sample=True), input_width=7)
     assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (1.0, 50, 1.0, 1.0)
-    assert params.max_new_tokens == 20 - 7  # max_length=20 counts the (padded) prompt, as stock does
-    greedy = sampling_params_from(_merged(top_k=5, temperature=0.3), input_width=7)
-    assert greedy.is_greedy and greedy.top_k == 0  # stock applies no warper without do_sample
+    assert (params.min_p, params.n, params.logit_bias, params.bad_words_ids, params.no_repeat_ngram_size) == (
+        0.0, 1, None, None, 0)
+    assert not params.output_scores and not params.output_logits
+    explicit = sampling_params_from(_merged(max_length=20), input_width=7)
+    assert explicit.max_new_tokens == 20 - 7  # an explicit max_length counts the (padded) prompt, as stock does
+    greedy = sampling_params_from(_merged(top_k=5, temperature=0.3, min_p=0.5), input_width=7)
+    assert greedy.is_greedy and greedy.top_k == 0 and greedy.min_p == 0  # stock applies no warper without do_sample
+    # Stock: min_new_tokens takes precedence over min_length (it rewrites min_length to match).
     both = sampling_params_from(_merged(min_length=12, min_new_tokens=2, max_new_tokens=9), input_width=7)
-    assert (both.min_new_tokens, both.max_new_tokens) == (5, 9)
+    assert (both.min_new_tokens, both.max_new_tokens) == (2, 9)
+    only_length = sampling_params_from(_merged(min_length=12, max_new_tokens=9), input_width=7)
+    assert only_length.min_new_tokens == 5
+
+
+def test_a_default_max_length_means_twenty_new_tokens_as_in_stock(engine_calls):
+    """Stock turns a `max_length` nobody set into 20 new tokens, whatever the prompt's length."""
+    model = tiny_model("llama", "hf_paged")
+    ids = torch.tensor([PROMPT])
+    gc = merged_generation_config(model, None, {}, input_ids=ids)
+    assert sampling_params_from(gc, input_width=len(PROMPT)).max_new_tokens == 20
+    kwargs = dict(attention_mask=torch.ones_like(ids), eos_token_id=None)
+    out = model.generate(ids, **kwargs)
+    assert engine_calls == [True]
+    assert torch.equal(out, tiny_model("llama", "sdpa").generate(ids, **kwargs))
+    assert out.shape[1] == len(PROMPT) + 20
+
+
+def test_a_missing_attention_mask_is_inferred_from_pad_tokens_as_in_stock(engine_calls):
+    """Without `attention_mask`, stock masks the pad tokens (when the pad id is no eos id)."""
+    ids = torch.tensor([[0, 0, 0] + PROMPT[:4], PROMPT])
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = tiny_model("llama", "hf_paged").generate(ids, **kwargs)
+    assert engine_calls == [True]
+    assert torch.equal(out, tiny_model("llama", "sdpa").generate(ids, **kwargs))
+
+
+def test_newly_honoured_fields_map_onto_sampling_params():
+    params = sampling_params_from(_merged(
+        do_sample=True, min_p=0.1, no_repeat_ngram_size=3, bad_words_ids=[[5], [6, 7]],
+        sequence_bias={(5,): 1.5, (9,): -2.0}, num_return_sequences=4, output_scores=True, output_logits=True,
+        return_dict_in_generate=True), input_width=4)
+    assert (params.min_p, params.no_repeat_ngram_size, params.bad_words_ids) == (0.1, 3, [[5], [6, 7]])
+    assert params.logit_bias == {5: 1.5, 9: -2.0} and params.n == 4
+    assert params.output_scores and params.output_logits
+    listed = sampling_params_from(_merged(sequence_bias=[[[5], 1.5]]), input_width=4)  # stock's list form
+    assert listed.logit_bias == {5: 1.5}
+    # Scores and logits are only returned inside a dict, as in stock.
+    bare = sampling_params_from(_merged(output_scores=True, output_logits=True), input_width=4)
+    assert not bare.output_scores and not bare.output_logits
 
 
 @pytest.mark.parametrize("field, value", [
-    ("min_p", 0.1), ("typical_p", 0.9), ("epsilon_cutoff", 0.01), ("no_repeat_ngram_size", 2),
-    ("bad_words_ids", [[5]]), ("suppress_tokens", [5]), ("sequence_bias", {(5,): 1.0}), ("num_beams", 2),
-    ("num_return_sequences", 2), ("output_scores", True), ("stop_strings", ["x"]), ("forced_eos_token_id", 2),
+    ("typical_p", 0.9), ("epsilon_cutoff", 0.01), ("suppress_tokens", [5]), ("sequence_bias", {(5, 6): 1.0}),
+    ("num_beams", 2), ("stop_strings", ["x"]), ("forced_eos_token_id", 2), ("output_attentions", True),
+    ("bad_words_ids", [[5, -1]]), ("bad_words_ids", [[VOCAB]]), ("sequence_bias", {(VOCAB,): 1.0}),
+    ("no_repeat_ngram_size", 2.5), ("prompt_lookup_num_tokens", 3),
 ])
 def test_an_unsupported_setting_falls_back_with_its_reason(field, value):
-    reason = sampling_params_from(_merged(do_sample=True, **{field: value}), input_width=4)
-    assert isinstance(reason, str) and (field in reason or "beam" in reason or "num_return" in reason)
+    """A processor the engine lacks, a multi-token sequence bias, a value stock's processors reject
+    (stock then raises its own error), and `num_return_sequences` with assisted generation."""
+    extra = {"num_return_sequences": 2} if field == "prompt_lookup_num_tokens" else {}
+    reason = sampling_params_from(_merged(do_sample=True, **extra, **{field: value}), input_width=4,
+                                  vocab_size=VOCAB)
+    assert isinstance(reason, str) and (field in reason or "beam" in reason or "num_return" in reason), reason
 
 
 def test_an_unsupported_setting_is_served_by_stock_with_stock_output(engine_calls):
     ids = torch.tensor([PROMPT])
-    kwargs = dict(max_new_tokens=6, do_sample=False, no_repeat_ngram_size=2)
+    kwargs = dict(max_new_tokens=6, do_sample=False, suppress_tokens=[5, 9])
     out = tiny_model("llama", "hf_paged").generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     ref = tiny_model("llama", "sdpa").generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     assert engine_calls == [False] and torch.equal(out, ref)

@@ -58,6 +58,7 @@ def test_greedy_parity_across_architectures(arch, count_paged_calls):
     model = tiny_model(arch, STOCK_ATTN.get(arch, "sdpa"))
     ref = _generate(model, input_ids, attention_mask)
     model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # this checks the stock generate path over a PagedCache
     for block_size in (1, 16, 32):
         model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=block_size)
         count_paged_calls.clear()
@@ -115,6 +116,7 @@ def test_sampling_with_seed_matches_stock():
     torch.manual_seed(1234)
     ref = _generate(model, input_ids, attention_mask, **kwargs)
     model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # this checks the stock generate path over a PagedCache
     torch.manual_seed(1234)
     out = _generate(model, input_ids, attention_mask, **kwargs)
     _assert_same(ref, out)
@@ -144,6 +146,7 @@ def test_num_return_sequences_matches_stock_and_shares_prompt_blocks():
     torch.manual_seed(7)
     ref = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False  # this checks the stock generate path over a PagedCache
     torch.manual_seed(7)
     out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     assert torch.equal(ref.sequences, out.sequences)
