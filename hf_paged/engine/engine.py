@@ -81,12 +81,11 @@ class _Tracked:
     """Engine-side state of one request (or one sample of it): the scheduler's view plus sampling,
     text, what it returns besides tokens, and its owner."""
 
-    def __init__(self, request: Request, params: SamplingParams, seed: int, metrics: RequestMetrics,
+    def __init__(self, request: Request, params: SamplingParams, metrics: RequestMetrics,
                  detok: IncrementalDetokenizer | None, inbox: Inbox | None, index: int, state: SamplingState,
                  group: _Group, sample_index: int = 0):
         self.request = request
         self.params = params
-        self.seed = seed
         self.state = state  # the sampler's view: penalty and n-gram state kept as tokens come
         self.metrics = metrics
         self.detok = detok  # streamed text and stop strings; None: text decoded once at the end
@@ -279,7 +278,7 @@ class Engine:
                               use_prefix_cache=params.prompt_logprobs is None)  # its prompt's logits are needed
             metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
             seed = draw_seed(params.seed)
-            tracked = _Tracked(request, params, seed, metrics, detok, inbox, index, self._new_state(params, seed, request),
+            tracked = _Tracked(request, params, metrics, detok, inbox, index, self._new_state(params, seed, request),
                                _Group(request_id, params.n))
             self._requests[request_id] = tracked  # registered first: a step never meets an unknown id
             self._groups[request_id] = tracked.group
@@ -683,7 +682,7 @@ class Engine:
     # ------------------------------------------------------------------ n samples
     def _fork_state(self, tracked: _Tracked, j: int) -> SamplingState:
         """Sample j's state for its first draw, before it exists as a request (the prompt so far)."""
-        return self._new_state(tracked.params, sample_seed(tracked.seed, j), tracked.request)
+        return self._new_state(tracked.params, sample_seed(tracked.state.seed, j), tracked.request)
 
     def _fork_sample(self, parent: _Tracked, j: int, out: SamplerOutput, now: float) -> None:
         """Create sample j of `parent`'s request from its just computed prompt (sharing every block) and
@@ -703,8 +702,8 @@ class Engine:
             if parent.detok is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt, skip_special_tokens=parent.params.skip_special_tokens,
                                                stop_strings=parent.params.stop_strings)
-            seed = sample_seed(parent.seed, j)
-            child = _Tracked(request, parent.params, seed, metrics, detok, parent.inbox, parent.index,
+            seed = sample_seed(parent.state.seed, j)
+            child = _Tracked(request, parent.params, metrics, detok, parent.inbox, parent.index,
                              self._new_state(parent.params, seed, request), parent.group, j)
             self._requests[request_id] = child
         self.scheduler.add_forked(request)

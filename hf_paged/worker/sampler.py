@@ -117,8 +117,8 @@ class Sampler:
             r.state.sync()
         logits = logits.float()
         params = [r.state.params for r in rows]
-        raw_rows = [i for i, p in enumerate(params)
-                    if with_outputs and (p.output_logits or (p.logprobs is not None and p.logprobs_mode == "raw"))]
+        ks = [p.logprobs for p in params]
+        raw_rows = [i for i, p in enumerate(params) if with_outputs and (p.output_logits or _logprobs_in(p, "raw"))]
         raw = logits[raw_rows].clone() if raw_rows else None
         self.process(logits, rows)
         num_rows = len(rows)
@@ -129,8 +129,7 @@ class Sampler:
             g = logits[greedy] if len(greedy) < num_rows else logits
             for i, t in zip(greedy, g.argmax(dim=-1).tolist()):
                 tokens[i] = t
-            if with_outputs and any(params[i].output_scores or (params[i].logprobs is not None and
-                                                                 params[i].logprobs_mode == "processed") for i in greedy):
+            if with_outputs and any(params[i].output_scores or _logprobs_in(params[i], "processed") for i in greedy):
                 blocks.append(_Block(greedy, None, g))
         sampling = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampling:
@@ -147,7 +146,7 @@ class Sampler:
                     out.logits[i] = raw[j]
             asks = [j for j, i in enumerate(raw_rows) if params[i].logprobs is not None]
             if asks:
-                lp = _logprobs(_Block([raw_rows[j] for j in asks], None, raw[asks]), tokens, params)
+                lp = _logprobs(_Block([raw_rows[j] for j in asks], None, raw[asks]), tokens, ks)
                 for i, entry in lp.items():
                     out.logprobs[i] = entry
         for block in blocks:
@@ -156,12 +155,11 @@ class Sampler:
                 for j, i in enumerate(block.rows):
                     if params[i].output_scores:
                         out.scores[i] = dense[j]
-            asks = [j for j, i in enumerate(block.rows)
-                    if params[block.rows[j]].logprobs is not None and params[block.rows[j]].logprobs_mode == "processed"]
+            asks = [j for j, i in enumerate(block.rows) if _logprobs_in(params[i], "processed")]
             if asks:
                 sub = _Block([block.rows[j] for j in asks], None if block.ids is None else block.ids[asks],
                              block.vals[asks])
-                for i, entry in _logprobs(sub, tokens, params).items():
+                for i, entry in _logprobs(sub, tokens, ks).items():
                     out.logprobs[i] = entry
         return out
 
@@ -245,7 +243,7 @@ class Sampler:
         blocks = []
         tied_rows = tied.nonzero().flatten().tolist()
         if tied_rows:
-            keep = [j for j in range(len(idx)) if j not in set(tied_rows)]
+            keep = sorted(set(range(len(idx))) - set(tied_rows))
             for j in tied_rows:  # rare: the whole row, masked below the k-th value
                 row = x[j] / temp[j]
                 row = row.masked_fill(row < kth[j], float("-inf"))
@@ -311,6 +309,11 @@ class Sampler:
 
 
 # ---------------------------------------------------------------------- helpers
+def _logprobs_in(params, mode: str) -> bool:
+    """Whether the row's request wants logprobs under the `mode` ("processed" / "raw") distribution."""
+    return params.logprobs is not None and params.logprobs_mode == mode
+
+
 def _tensor(arrays: list[np.ndarray], device) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(arrays)).to(device)
 
@@ -398,8 +401,8 @@ def _dense(block: _Block, vocab: int) -> torch.Tensor:
     return out
 
 
-def _logprobs(block: _Block, tokens: list[int], params) -> dict[int, TokenLogprobs]:
-    """Logprobs of each row's chosen token and its top k, under the block's distribution."""
+def _logprobs(block: _Block, tokens: list[int], ks: list[int | None]) -> dict[int, TokenLogprobs]:
+    """Logprobs of each row's chosen token and its top `ks[row]`, under the block's distribution."""
     logp = torch.log_softmax(block.vals, dim=-1)
     ids = block.ids
     chosen = torch.tensor([tokens[i] for i in block.rows], device=logp.device)
@@ -413,13 +416,13 @@ def _logprobs(block: _Block, tokens: list[int], params) -> dict[int, TokenLogpro
     if ids is not None:
         chosen_lp = torch.where(found, chosen_lp, torch.full_like(chosen_lp, float("-inf")))
     rank = (logp > chosen_lp[:, None]).sum(dim=-1) + 1
-    kmax = max(params[i].logprobs for i in block.rows)
+    kmax = max(ks[i] for i in block.rows)
     top_lp, top_col = (logp.topk(min(kmax, logp.shape[-1]), dim=-1) if kmax else (logp[:, :0], logp[:, :0].long()))
     top_ids = top_col if ids is None else ids.gather(1, top_col)
     chosen_lp, rank, top_lp, top_ids = chosen_lp.tolist(), rank.tolist(), top_lp.tolist(), top_ids.tolist()
     out = {}
     for j, i in enumerate(block.rows):
-        k = params[i].logprobs
+        k = ks[i]
         top = [(t, lp) for t, lp in zip(top_ids[j][:k], top_lp[j][:k]) if lp > float("-inf")]
         out[i] = TokenLogprobs(tokens[i], chosen_lp[j], rank[j], top)
     return out
@@ -429,13 +432,8 @@ def logprobs_of(logits: torch.Tensor, token_ids: list[int], k: int) -> list[Toke
     """Per row of raw `logits` ([r, vocab]): the log-probability and rank of `token_ids[row]` and the
     `k` most likely tokens, under log_softmax of the row (prompt logprobs)."""
     block = _Block(list(range(len(token_ids))), None, logits.float())
-    found = _logprobs(block, token_ids, [_K(k)] * len(token_ids))
+    found = _logprobs(block, token_ids, [k] * len(token_ids))
     return [found[i] for i in range(len(token_ids))]
-
-
-@dataclass
-class _K:
-    logprobs: int
 
 
 def processed_logits(row: torch.Tensor, state: SamplingState, extra: tuple[int, ...] = ()) -> torch.Tensor:

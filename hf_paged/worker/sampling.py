@@ -220,6 +220,9 @@ class SamplingState:
         self.num_prompt_tokens = num_prompt_tokens
         self.end_token_ids = list(end_token_ids)
         self.eos_token_ids = list(eos_token_ids)
+        self._reset()
+
+    def _reset(self) -> None:
         self._synced = 0
         self._index: dict[int, int] = {}  # token -> slot in the arrays below
         self._ids = np.zeros(64, dtype=np.int64)  # unique tokens of prompt + outputs, first-seen order
@@ -238,8 +241,7 @@ class SamplingState:
         """Absorb the tokens appended since the last call."""
         tokens = self.token_ids
         if len(tokens) < self._synced:  # never expected (outputs only grow), but never wrong
-            self.__init__(self.params, self.seed, tokens, self.num_prompt_tokens, self.end_token_ids,
-                          self.eos_token_ids)
+            self._reset()
         p = self.params
         n = p.no_repeat_ngram_size
         for i in range(self._synced, len(tokens)):

@@ -25,20 +25,6 @@ NUM_DRAWS = 5000
 PROMPT = [5, 9, 5, 9, 17, 5, 33]  # repeats, so a repetition penalty changes the distribution
 
 
-@pytest.fixture
-def engine_calls(monkeypatch):
-    calls = []
-    original = batch_generate.try_engine_generate
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(batch_generate, "try_engine_generate", spy)
-    return calls
-
-
 def stock_distribution(model, prompt, **kwargs) -> torch.Tensor:
     """Stock's processed next-token distribution for `prompt` (the scores stock samples from)."""
     ids = torch.tensor([prompt])

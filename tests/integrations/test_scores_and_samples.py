@@ -28,7 +28,6 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import hf_paged.integrations.batch_generate as batch_generate
 from stats import chi2_critical, chi2_statistic
 from tiny_models import STOCK_ATTN, VOCAB, left_padded_batch, tiny_model
 
@@ -42,21 +41,6 @@ PAD = 0
 def models(arch: str):
     """(stock, paged): the same weights, stock attention and "hf_paged"."""
     return tiny_model(arch, STOCK_ATTN.get(arch, "sdpa")), tiny_model(arch, "hf_paged")
-
-
-@pytest.fixture
-def engine_calls(monkeypatch):
-    """Whether each drop-in call was served by the engine (True) or fell back to stock (False)."""
-    calls = []
-    original = batch_generate.try_engine_generate
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(batch_generate, "try_engine_generate", spy)
-    return calls
 
 
 def _generate(model, input_ids, attention_mask, **kwargs):
