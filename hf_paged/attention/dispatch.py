@@ -61,13 +61,14 @@ def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torc
         )
 
 
-def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`."""
+def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots: bool = True) -> None:
+    """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`
+    (`has_skipped_slots=False` promises there is no -1, which spares the torch path a check)."""
     if backend(key.device) == "triton":
         from .triton.store_kv import store_kv as triton_store_kv
 
         return triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
-    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping)
+    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,

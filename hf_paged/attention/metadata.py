@@ -49,6 +49,8 @@ class StepMetadata:
         num_padding: [batch_size] int64, leading padding columns per row after this step (DENSE only).
         copies: (src_block, dst_block) copy-on-write pairs the cache applies before writing.
         max_seqlen_q, max_seqlen_k: maxima of the per-row query and KV lengths.
+        has_skipped_slots: whether `slot_mapping` holds any -1 (known on the host when it is built,
+            so that writing the K/V needs no check per layer).
     """
 
     mode: str
@@ -64,6 +66,7 @@ class StepMetadata:
     copies: list[tuple[int, int]]
     max_seqlen_q: int
     max_seqlen_k: int
+    has_skipped_slots: bool = True
     layers_done: set[int] = field(default_factory=set)
     dense_index: tuple[torch.Tensor, torch.Tensor] | None = None  # DENSE: (slots, valid), [batch, num_columns]
     workspace: object = None  # the cache's `torch_paged.Workspace`, for the torch path's gathers
@@ -104,11 +107,13 @@ def _varlen_fields(q_lens: list[int], slots: list[list[int]], block_tables: list
         cu.append(cu[-1] + n)
     width = max(max((len(t) for t in block_tables), default=0), 1)
     tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+    flat_slots = [s for row in slots for s in row]
     return dict(
+        has_skipped_slots=min(flat_slots, default=0) < 0,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
         block_tables=tables.to(device),
-        slot_mapping=torch.tensor([s for row in slots for s in row], dtype=torch.long).to(device),
+        slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
         max_seqlen_q=max(q_lens, default=0),
         max_seqlen_k=max(seq_lens, default=0),
     )

@@ -22,15 +22,17 @@ def store_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
+    has_skipped_slots: bool = True,  # False: the caller knows there is no -1 (no check, no host sync)
 ) -> None:
     """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1.
 
     K and V may have different head widths (`head_dim_v != head_dim`, e.g. the latent and rotary
     parts that DeepSeek's multi-head latent attention caches); each cache keeps its own. Rows are
     cast to each cache's dtype."""
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if has_skipped_slots:
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
     for rows, cache in ((key, key_cache), (value, value_cache)):
@@ -128,6 +130,14 @@ class _Group:
         self.q_idx = self.token_index - starts[self.seq_ids]  # [Tg]
         rows = torch.tensor(seqs, device=device)
         self.blocks = block_tables[rows, :num_blocks].long().flatten()  # [Sg * num_blocks]
+        # One sequence on consecutive block ids (what a fresh pool hands out, the common case at batch
+        # 1): its K/V are read as a view of the cache, exactly its seq_len keys, with no gather.
+        self.first_block = None
+        if len(seqs) == 1:
+            ids = self.blocks.tolist()
+            if ids == list(range(ids[0], ids[0] + len(ids))):
+                self.first_block = ids[0]
+        self.seq_len = seq_lens[seqs[0]]
         # Gathered rows past each sequence's length (its last block's tail, table padding): zeroed
         # after the gather, since a stale NaN/inf there would turn a masked 0 weight into NaN.
         past_end = torch.arange(self.max_seqlen_k, device=device)[None, :] >= g_seq_lens[:, None]  # [Sg, Kmax]
@@ -158,6 +168,10 @@ class _Group:
         """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V (D: that cache's own
         head width), gathered block by block."""
         num_kv_heads, head_dim = cache.shape[2:]
+        if self.first_block is not None:  # zero-copy: [1, n * block_size, H, D] -> its first `length` rows
+            blocks = cache[self.first_block:self.first_block + self.blocks.numel()]
+            out = blocks.view(1, -1, num_kv_heads, head_dim)[:, :self.seq_len if length is None else length]
+            return out.to(dtype).transpose(1, 2)
         if buffer is None:
             blocks = cache.index_select(0, self.blocks)
         else:
@@ -247,7 +261,7 @@ def paged_attention(
     workspace = None if needs_grad else plan.workspace
     for group in plan.groups:
         buffers = [None, None]
-        if workspace is not None:
+        if workspace is not None and group.first_block is None:
             buffers = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), cache.dtype, cache.device)
                        for name, cache in (("k", key_cache), ("v", value_cache))]
         is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
@@ -261,15 +275,20 @@ def paged_attention(
         else:
             q = query.new_zeros(group.num_seqs, group.max_seqlen_q, num_q_heads, head_dim)
             q[group.seq_ids, group.q_idx] = query[group.token_index]
-        if softcap is not None or sinks is not None:
-            o = _attention_math(q.transpose(1, 2), k, v, group.mask(sliding_window), scale, softcap, sinks)
-            o = o.transpose(1, 2)  # [Sg, Qmax, Hq, Dv]
-        elif is_causal_sdpa:
+        if is_causal_sdpa:
             o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=group.max_seqlen_q > 1, scale=scale,
                                                enable_gqa=group_size > 1).transpose(1, 2)
         else:
-            o = _grouped_query_attention(q, k, v, None if group.is_uniform_decode and sliding_window is None
-                                         else group.mask(sliding_window), scale)
+            # A view holds exactly the sequence's keys (no padded tail): one query sees them all.
+            sees_all = sliding_window is None and (
+                group.is_uniform_decode or (group.first_block is not None and group.max_seqlen_q == 1))
+            mask = None
+            if not sees_all or softcap is not None or sinks is not None:
+                mask = group.mask(sliding_window)[..., :k.shape[2]]  # [Sg, Qmax, K]
+            if softcap is not None or sinks is not None:
+                o = _attention_math(q.transpose(1, 2), k, v, mask, scale, softcap, sinks).transpose(1, 2)
+            else:
+                o = _grouped_query_attention(q, k, v, mask, scale)  # [Sg, Qmax, Hq, Dv]
         if group.token_slice is not None:
             out[group.token_slice] = o[0]
         elif group.is_single_query:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence as SequenceABC
 from dataclasses import dataclass, field
 
@@ -70,7 +70,9 @@ class BlockPool:
         # Blocks filled by the step being planned, findable only by that same step (its forward writes
         # them before any attention reads them): published by `publish_staged`, else dropped.
         self._staged: dict[int, int] = {}  # block hash -> block id
-        self._free: deque[int] = deque(range(num_blocks))
+        # Free blocks in the order they are handed out (FIFO); a dict so that `allocate(after=...)` can
+        # take a particular one in O(1).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.num_prefix_hits = 0  # blocks taken back from the cache instead of recomputed
         self.epoch = 0  # bumped by reset_prefix_cache; sequences alive across a reset stop hashing
@@ -114,24 +116,35 @@ class BlockPool:
         start = self.num_blocks
         self.ref_counts.extend([0] * num_new_blocks)
         self.block_hash.extend([None] * num_new_blocks)
-        self._free.extend(range(start, start + num_new_blocks))
+        self._free.update(dict.fromkeys(range(start, start + num_new_blocks)))
 
-    def allocate(self, num_blocks: int = 1) -> list[int]:
+    def allocate(self, num_blocks: int = 1, after: int | None = None) -> list[int]:
         """Take `num_blocks` blocks with ref count 1, evicting least-recently-used cached blocks
-        only when the free list is empty. All or nothing: raises `NoFreeBlocksError` untouched."""
+        only when the free list is empty. All or nothing: raises `NoFreeBlocksError` untouched.
+
+        Args:
+            after: the block the new ones follow in a sequence. Block `after + 1` is taken if it is
+                free (then `after + 2`...), so a sequence's blocks stay consecutive where they can and
+                attention reads them as one view (`attention.torch_paged`). Cached blocks are never
+                evicted for this.
+        """
         if not self.can_allocate(num_blocks):
             raise NoFreeBlocksError(
                 f"need {num_blocks} KV blocks but only {self.num_free_blocks} of {self.num_blocks} are free"
             )
         out = []
         for _ in range(num_blocks):
-            if self._free:
-                block_id = self._free.popleft()
+            if after is not None and after + 1 in self._free:
+                block_id = after + 1
+                del self._free[block_id]
+            elif self._free:
+                block_id, _ = self._free.popitem(last=False)
             else:
                 block_id, _ = self._evictable.popitem(last=False)
                 self._drop_hash(block_id)
             self.ref_counts[block_id] = 1
             out.append(block_id)
+            after = block_id
         return out
 
     def incref(self, block_ids: Iterable[int]) -> None:
@@ -163,7 +176,7 @@ class BlockPool:
                 if self.block_hash[block_id] is not None:
                     self._evictable[block_id] = None
                 else:
-                    self._free.append(block_id)
+                    self._free[block_id] = None
 
     def register_full_block(self, block_id: int, block_hash: int) -> None:
         """Record the content hash of a block that just became full, so later prefixes can hit it.
@@ -208,7 +221,7 @@ class BlockPool:
         fill later attends to K/V from before the reset, so it must never be shared."""
         self.epoch += 1
         for block_id in list(self._evictable):
-            self._free.append(block_id)
+            self._free[block_id] = None
         self._evictable.clear()
         for block_id in list(self.hash_to_block.values()):
             self.block_hash[block_id] = None
@@ -324,7 +337,7 @@ class BlockManager:
         if seq.num_tokens % bs and token_ids:
             last = seq.block_table[-1]
             if pool.ref_count(last) > 1:
-                (new,) = pool.allocate(1)
+                (new,) = pool.allocate(1, after=seq.block_table[-2] if len(seq.block_table) > 1 else None)
                 result.copies.append((last, new))
                 pool.free([last])
                 seq.block_table[-1] = new
@@ -346,7 +359,7 @@ class BlockManager:
                         result.num_cached_tokens += bs
                         i += bs
                         continue
-                seq.block_table.append(pool.allocate(1)[0])
+                seq.block_table.append(pool.allocate(1, after=seq.block_table[-1] if seq.block_table else None)[0])
             block_id = seq.block_table[-1]
             take = min(bs - offset, n - i)
             base = block_id * bs + offset

@@ -382,11 +382,13 @@ class Engine:
     def _step(self) -> Exception | None:
         """One step; returns the exception that undid it, if any."""
         try:
+            began = time.perf_counter()
             if self.scheduler.waiting:  # prefix-cache lookups happen only when admitting
                 self._note_weights()
             if self.proposer is not None:
                 self._propose()
             sched = self.scheduler.schedule()
+            self._metrics.schedule_seconds += time.perf_counter() - began
             self._metrics.peak_kv_blocks = max(self._metrics.peak_kv_blocks, self.cache.pool.num_used_blocks)
             for request in sched.preempted:
                 self._note_preempted(self._requests[request.request_id])
@@ -423,6 +425,8 @@ class Engine:
         began = time.perf_counter()
         logits = self.runner.forward(chunks, sched.copies, sched.new_full_blocks)
         self._metrics.forward_seconds += time.perf_counter() - began
+        self._metrics.metadata_seconds += self.runner.last_metadata_seconds
+        self._metrics.model_seconds += self.runner.last_model_seconds
         self._metrics.num_steps += 1
         num_tokens = sum(len(e.token_ids) for e in sched.scheduled)
         self._metrics.iteration_tokens.append(num_tokens)
@@ -456,7 +460,7 @@ class Engine:
             row += n
         if not plans:
             return
-        has_nan = torch.isnan(logits).any(dim=-1).tolist()  # one host sync for every row of the step
+        has_nan = torch.isnan(logits.amax(dim=-1)).tolist()  # max propagates NaN; one host sync per step
         clean = [k for k, r in enumerate(rows) if not has_nan[index[k]]]
         result = None
         began = time.perf_counter()
@@ -973,11 +977,15 @@ class Engine:
                     "kv_peak_bytes": self._metrics.peak_kv_blocks * bytes_per_block}
 
     def step_profile(self) -> dict:
-        """Cumulative wall seconds in `step()`, its forwards and its sampler calls, and the tokens fed
-        to the forwards, since creation or `reset_metrics()`; cheap enough to read after every step."""
+        """Cumulative wall seconds since creation or `reset_metrics()`: in `step()`; of it, scheduling
+        (drafting included), the forwards (of which building inputs and metadata, and the model call
+        itself) and the sampler; the rest of a step is committing its tokens. Also the steps and the
+        tokens fed to the forwards. Cheap enough to read after every step."""
         m = self._metrics
-        return dict(step_seconds=m.step_seconds, forward_seconds=m.forward_seconds,
-                    sampler_seconds=m.sampler_seconds, num_forward_tokens=m.num_forward_tokens)
+        return dict(step_seconds=m.step_seconds, schedule_seconds=m.schedule_seconds,
+                    forward_seconds=m.forward_seconds, metadata_seconds=m.metadata_seconds,
+                    model_seconds=m.model_seconds, sampler_seconds=m.sampler_seconds,
+                    num_steps=m.num_steps, num_forward_tokens=m.num_forward_tokens)
 
     def metrics_summary(self) -> str:
         with self._lock:

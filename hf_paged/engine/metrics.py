@@ -116,9 +116,13 @@ class EngineMetrics:
         self.num_steps = 0
         self.num_failed_steps = 0  # steps (or single requests in them) that raised and were undone
         self.num_forward_tokens = 0  # tokens fed to the model's forwards (prefill chunks, decodes, drafts)
-        # Step profile: wall seconds inside `step()`, its forwards, and its sampler calls.
+        # Step profile: wall seconds inside `step()`; of it, scheduling (drafts included), the forwards
+        # (of which building inputs and metadata, and the model call), and the sampler calls.
         self.step_seconds = 0.0
+        self.schedule_seconds = 0.0
         self.forward_seconds = 0.0
+        self.metadata_seconds = 0.0
+        self.model_seconds = 0.0
         self.sampler_seconds = 0.0
         self.iteration_tokens: deque[int] = _window()
         self.ttft: deque[float] = _window()
@@ -222,7 +226,10 @@ class EngineMetrics:
             "num_steps": self.num_steps,
             "num_forward_tokens": self.num_forward_tokens,
             "step_seconds": self.step_seconds,
+            "schedule_seconds": self.schedule_seconds,
             "forward_seconds": self.forward_seconds,
+            "metadata_seconds": self.metadata_seconds,
+            "model_seconds": self.model_seconds,
             "sampler_seconds": self.sampler_seconds,
             "elapsed_seconds": elapsed,
             "prompt_throughput_tokens_per_s": self.prompt_tokens / elapsed,

@@ -196,7 +196,8 @@ class PagedCache(Cache):
                 dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device)
             layer.lazy_initialization(key_states, value_states)
         slot_mapping = step.slot_mapping.to(layer.device)
-        dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping)
+        dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
+                          step.has_skipped_slots)
         if step.mode == PAGED:
             return layer.keys, layer.values
         return gather_dense(layer.keys, layer.values, step, key_states.dtype)

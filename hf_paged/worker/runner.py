@@ -12,6 +12,7 @@ Owns the forward and its tensors (ids, positions, the logits index); it does not
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from ..attention.metadata import build_packed_metadata
 from ..core import KVSequence
 from ..hf import PagedCache, decoder_of
+from ..hf.linear import enable as enable_fast_linear, fast_linear
 
 
 @dataclass
@@ -50,6 +52,10 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         params = inspect.signature(decoder_of(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        enable_fast_linear(model)  # inert outside this runner's forwards (see hf.linear)
+        # Wall seconds of the latest forward: building its inputs and metadata, and the model call.
+        self.last_metadata_seconds = 0.0
+        self.last_model_seconds = 0.0
 
     def forward(self, chunks: list[Chunk], copies: list[tuple[int, int]],
                 new_full_blocks: list[tuple[int, int]] = ()) -> torch.Tensor:
@@ -60,6 +66,7 @@ class ModelRunner:
                 published in the prefix cache once every layer has written its K/V.
 
         On an exception the cache forgets the step and it propagates; nothing was published."""
+        began = time.perf_counter()
         input_ids, positions, keep = [], [], []
         for chunk in chunks:
             input_ids.extend(chunk.token_ids)
@@ -78,8 +85,10 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.cache.begin_step(meta)
+        called = time.perf_counter()
+        self.last_metadata_seconds = called - began
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), fast_linear():
                 out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
                                  logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
         except BaseException:
@@ -87,4 +96,5 @@ class ModelRunner:
             self.cache.pool.discard_staged()
             raise
         self.cache.manager.commit_full_blocks(new_full_blocks)
+        self.last_model_seconds = time.perf_counter() - called
         return out.logits[0]

@@ -659,3 +659,79 @@ def test_check_kv_cache_dtype_refuses_only_what_triton_cannot_read(monkeypatch):
         cache.plan_step(batch_size=1, q_len=3, mode="paged", device=cpu, dtype=torch.float16)
     assert cache.seqs == [] and cache.pool.num_used_blocks == 0  # refused before anything changed
     cache.plan_step(batch_size=1, q_len=3, mode="dense", device=cpu, dtype=torch.float16)  # dense: any dtype
+
+
+# ---------------------------------------------------------------------------------------------- #
+# One sequence on consecutive blocks: K/V are read as a view of the pool, not gathered
+
+
+def make_consecutive_batch(seq_len, q_len, block_size, first_block, num_q_heads, num_kv_heads, head_dim, fill, seed):
+    """One sequence stored on blocks first_block, first_block + 1, ...; every other slot of the pool
+    (its last block's tail, the blocks around it) holds `fill`, and the table's padding names a
+    poisoned block. Returns the batch fields and the dense K/V the oracle attends over."""
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = math.ceil(seq_len / block_size)
+    pool_blocks = first_block + num_blocks + 2
+    key_cache = torch.full((pool_blocks, block_size, num_kv_heads, head_dim), fill)
+    value_cache = torch.full_like(key_cache, fill)
+    keys = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+    values = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+    slots = torch.arange(seq_len) + first_block * block_size
+    torch_paged.store_kv(keys, values, key_cache, value_cache, slots)
+    table = list(range(first_block, first_block + num_blocks)) + [pool_blocks - 1] * 2  # padding: poison
+    return dict(
+        query=torch.randn(q_len, num_q_heads, head_dim, generator=gen), key_cache=key_cache,
+        value_cache=value_cache, block_tables=torch.tensor([table], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32), cu_seqlens_q=torch.tensor([0, q_len], dtype=torch.int32),
+        max_seqlen_q=q_len, max_seqlen_k=seq_len), keys, values
+
+
+CONSECUTIVE_FEATURES = {"none": {}, "window": dict(sliding_window=5),
+                        "all": dict(sliding_window=5, softcap=20.0, sinks=torch.linspace(-1.0, 2.0, 6))}
+
+
+@pytest.mark.parametrize("feature", list(CONSECUTIVE_FEATURES))
+@pytest.mark.parametrize("fill", [float("nan"), GARBAGE], ids=["nan", "garbage"])
+# decode (tail partly filled, exactly full), speculative verify, chunk after a prefix, whole prefill
+@pytest.mark.parametrize("seq_len,q_len", [(37, 1), (32, 1), (1, 1), (37, 4), (40, 9), (23, 23)])
+@pytest.mark.parametrize("block_size,first_block", [(16, 0), (16, 3), (1, 2)])
+def test_paged_attention_single_sequence_on_consecutive_blocks_reads_a_view(block_size, first_block, seq_len, q_len,
+                                                                           fill, feature):
+    args, keys, values = make_consecutive_batch(seq_len, q_len, block_size, first_block, 6, 2, 16, fill,
+                                                seed=seq_len * 7 + q_len + first_block)
+    features = CONSECUTIVE_FEATURES[feature]
+    plan = torch_paged.AttentionPlan(args["block_tables"], args["seq_lens"], args["cu_seqlens_q"], q_len, seq_len,
+                                     block_size, workspace=torch_paged.Workspace())
+    assert [g.first_block for g in plan.groups] == [first_block]  # the view path, not a gather
+    out = torch_paged.paged_attention(**args, scale=0.25, plan=plan, **features)
+    expected = reference.causal_attention(args["query"], keys, values, 0.25, **features)
+    assert torch.isfinite(out).all()
+    assert_matches(out, expected, torch.float32)  # 1e-5
+    # The same sequence on a shuffled table takes the gather and agrees.
+    perm = torch.randperm(args["key_cache"].shape[0], generator=torch.Generator().manual_seed(1))
+    inverse = torch.argsort(perm)
+    shuffled = dict(args, key_cache=args["key_cache"][perm], value_cache=args["value_cache"][perm],
+                    block_tables=inverse[args["block_tables"].long()].to(torch.int32))
+    gathered_plan = torch_paged.AttentionPlan(shuffled["block_tables"], shuffled["seq_lens"], shuffled["cu_seqlens_q"],
+                                              q_len, seq_len, block_size)
+    if math.ceil(seq_len / block_size) > 1:
+        assert gathered_plan.groups[0].first_block is None
+    torch.testing.assert_close(torch_paged.paged_attention(**shuffled, scale=0.25, plan=gathered_plan, **features),
+                               out, atol=1e-5, rtol=1e-5)
+
+
+def test_step_metadata_knows_on_the_host_whether_any_slot_is_skipped():
+    from hf_paged.attention.metadata import build_packed_metadata
+
+    def meta(slots):
+        return build_packed_metadata(q_lens=[len(s) for s in slots], slots=slots, block_tables=[[0], [1]],
+                                     seq_lens=[len(s) for s in slots], copies=[], device=torch.device("cpu"))
+
+    assert meta([[0, 1], [16]]).has_skipped_slots is False
+    assert meta([[-1, 1], [16]]).has_skipped_slots is True
+    # The promise skips the check: every row is written.
+    key_cache, value_cache = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)
+    rows = torch.arange(6.0).view(3, 1, 2)
+    torch_paged.store_kv(rows, -rows, key_cache, value_cache, torch.tensor([0, 5, 7]), has_skipped_slots=False)
+    assert torch.equal(key_cache.view(-1, 1, 2)[[0, 5, 7]], rows)
+    assert torch.equal(value_cache.view(-1, 1, 2)[[0, 5, 7]], -rows)

@@ -404,6 +404,44 @@ def test_hit_refreshes_lru_position():
     assert pool.lookup(hash_block_tokens(None, [2, 2])) is None
 
 
+def test_allocate_after_takes_the_next_free_block_then_falls_back_to_fifo():
+    pool, _ = make(8, 4)
+    assert pool.allocate(2) == [0, 1]
+    pool.allocate(1)  # 2
+    pool.free([0])
+    assert pool.allocate(2, after=4) == [5, 6]  # the next ones, out of FIFO order
+    assert pool.allocate(1, after=2) == [3]
+    assert pool.allocate(1, after=6) == [7]
+    assert pool.allocate(1, after=7) == [4]  # 8 does not exist: FIFO head
+    assert pool.allocate(1, after=4) == [0]  # 5 is in use
+    pool.check_invariants()
+
+
+def test_allocate_after_never_evicts_a_cached_block_for_adjacency():
+    pool, manager = make(6, 2)
+    cached = KVSequence(seq_id=0)
+    manager.append_tokens(cached, [1, 2, 3, 4])  # blocks 0, 1, both full and hashed
+    manager.free(cached)  # cached, evictable
+    assert pool.allocate(1, after=0) == [2]  # block 1 is cached: the FIFO head instead
+    assert pool.num_cached_blocks == 2
+    pool.check_invariants()
+
+
+def test_sequences_grow_on_consecutive_blocks_where_free():
+    pool, manager = make(16, 2)
+    a, b = KVSequence(seq_id=0), KVSequence(seq_id=1)
+    manager.append_tokens(a, [1, 2, 3])  # blocks 0, 1
+    manager.append_tokens(b, [7])  # block 2
+    manager.free(b)
+    for token in range(4, 10):
+        manager.append_tokens(a, [token])
+    assert a.block_table == [0, 1, 2, 3, 4]  # block 2 came back and a took it next
+    c = KVSequence(seq_id=2)
+    manager.append_tokens(c, [5, 5, 5])
+    assert c.block_table == [5, 6]
+    pool.check_invariants()
+
+
 def test_free_sequence_releases_tail_blocks_first():
     pool, mgr = make(4, 2)
     a = KVSequence(0)

@@ -1,0 +1,95 @@
+"""Faster `nn.Linear` inside hf_paged's own forwards on CPU.
+
+torch runs a float32 `nn.Linear` on CPU through MKL's sgemm. At the small row counts of decoding
+(1 row per sequence, k + 1 when verifying drafts) that call streams the weights on one thread at
+about 12 GB/s, while oneDNN's inner product, which torch ships and Inductor already calls
+(`torch.ops.mkldnn._linear_pointwise`), reads the same row-major weight on every thread.
+`benchmarks/latency.py --kernels` measures both on this model's shapes; on the 2-core AMD EPYC this
+project was built on, decoding's linears take 0.66x the time at one row and 0.51-0.91x up to 256 rows.
+
+`enable(model)` gives each plain `nn.Linear` of the model an instance `forward` (the pattern
+accelerate's hooks use; the module keeps its type, parameters and state dict) that takes the
+faster kernel only inside `fast_linear()`, a thread-local context that `ModelRunner` enters around
+its inference forwards, and is exactly `F.linear` everywhere else: stock forwards, training, other
+threads. `disable(model)` removes it. Results differ from MKL's in the last bits only (a different
+summation order, within fp32 tolerance), as every kernel choice does.
+
+`HF_PAGED_FAST_LINEAR=0` turns it off (the benchmark's ablation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import types
+
+import torch
+import torch.nn.functional as F
+
+_local = threading.local()
+_kernel = None  # torch.ops.mkldnn._linear_pointwise once probed; False when unusable
+_ATTR = "_hf_paged_fast_linear"
+
+
+def _probe():
+    """oneDNN's linear if this torch build has it and it agrees with F.linear, else False."""
+    global _kernel
+    if _kernel is None:
+        _kernel = False
+        if torch.backends.mkldnn.is_available():
+            try:
+                fn = torch.ops.mkldnn._linear_pointwise
+                gen = torch.Generator().manual_seed(0)
+                x, w = torch.randn(3, 40, generator=gen), torch.randn(24, 40, generator=gen)
+                b = torch.randn(24, generator=gen)
+                if torch.allclose(fn(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-4, rtol=1e-4):
+                    _kernel = fn
+            except Exception:  # not built with oneDNN, or an op signature this code does not know
+                pass
+    return _kernel
+
+
+def is_available() -> bool:
+    """Whether the faster kernel exists here and is not switched off (`HF_PAGED_FAST_LINEAR=0`)."""
+    return os.environ.get("HF_PAGED_FAST_LINEAR", "1") != "0" and bool(_probe())
+
+
+def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
+    if (getattr(_local, "active", False) and input.dtype == torch.float32 and self.weight.dtype == torch.float32
+            and input.device.type == "cpu" and not torch.is_grad_enabled()):
+        return _kernel(input, self.weight, self.bias, "none", [], "")
+    return F.linear(input, self.weight, self.bias)
+
+
+def enable(model: torch.nn.Module) -> int:
+    """Give the model's plain `nn.Linear` modules the faster forward (idempotent). Modules that
+    already carry an instance `forward` (another library's hook) and subclasses (quantised or LoRA
+    layers) are left alone. Returns how many modules have it."""
+    if not is_available():
+        return 0
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
+            module.forward = types.MethodType(_forward, module)
+            setattr(module, _ATTR, True)
+        count += bool(getattr(module, _ATTR, False))
+    return count
+
+
+def disable(model: torch.nn.Module) -> None:
+    """Remove what `enable` installed."""
+    for module in model.modules():
+        if module.__dict__.pop(_ATTR, False):
+            module.__dict__.pop("forward", None)
+
+
+@contextlib.contextmanager
+def fast_linear():
+    """Within this block (this thread only) enabled linears use the faster kernel."""
+    previous = getattr(_local, "active", False)
+    _local.active = True
+    try:
+        yield
+    finally:
+        _local.active = previous
