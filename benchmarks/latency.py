@@ -149,12 +149,12 @@ def kernels(model, repeats: int) -> None:
     nbytes = sum(w.numel() * w.element_size() for w in {w.data_ptr(): w for w in weights}.values())
     print(f"\n== kernels: all {len(linears)} linears of the model ({nbytes / 1e6:.0f} MB of weights), medians of {repeats}")
     print(f"{'rows':>6}{'stock F.linear ms':>19}{'hf_paged ms':>13}{'ratio':>8}{'stock GB/s':>12}{'hf_paged GB/s':>15}")
-    kernel = fast_linear._probe()
+    kernel = fast_linear.linear_kernel()
     with torch.inference_mode():
         for rows in (1, 6, 64, 256):
             xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
             res = []
-            for fn in (lambda x, w: F.linear(x, w), lambda x, w: kernel(x, w, None, "none", [], "")):
+            for fn in (lambda x, w: F.linear(x, w), lambda x, w: kernel(x, w)):
                 def sweep():
                     for w in weights:
                         fn(xs[w.shape[1]], w)

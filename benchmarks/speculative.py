@@ -136,7 +136,7 @@ def main():
         "lookup": chat_ids(tokenizer, LOOKUP_TASKS * 4),
         "chat": chat_ids(tokenizer, (CHAT_PROMPTS * 2)[:16]),
     }
-    summary = {}
+    summary, walls = {}, {}
     header = (f"{'workload':8} {'batch':>5} {'method':22} {'wall s':>8} {'tok/s':>8} {'vs plain':>8} {'fwds':>6} "
               f"{'tok/fwd':>8} {'alpha':>6} {'pred':>6} {'meas':>6} {'same':>5}")
     print(header)
@@ -166,11 +166,19 @@ def main():
                       f"{total / r['forwards']:8.2f} {fmt(r.get('alpha')):>6} {fmt(r.get('predicted')):>6} "
                       f"{fmt(r.get('measured')):>6} {str(same):>5}")
                 summary[(wname, batch, name)] = (speedup, r.get("predicted"), r.get("measured"))
+                walls[(wname, batch, name)] = r["wall"]
     print()
     gaps = [abs(m - p) / p for (_, _, _), (_, p, m) in summary.items() if p and m]
     if gaps:
         print(f"closed form vs measured tokens per verification: worst relative gap {100 * max(gaps):.1f}%, "
               f"median {100 * statistics.median(gaps):.1f}% (target: within 10%)")
+    for wname in workloads:  # hf_paged against stock's own methods, same prompts, same run (batch 1)
+        for ours, theirs in (("hf_paged plain", "stock greedy"), ("hf_paged ngram", "stock prompt lookup"),
+                             ("hf_paged layer-skip", "stock assisted")):
+            a, b = walls.get((wname, 1, ours)), walls.get((wname, 1, theirs))
+            if a and b:
+                verdict = f" (target <= 1.0: {'PASS' if a <= b else 'MISS'})" if ours == "hf_paged ngram" else ""
+                print(f"{wname} batch 1: {ours} {a:.2f} s vs {theirs} {b:.2f} s = {a / b:.3f}x stock's time{verdict}")
     key = ("lookup", 1, "hf_paged ngram")
     if key in summary:
         s = summary[key][0]

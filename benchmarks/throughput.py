@@ -22,7 +22,7 @@ the higher is used). hf_paged's run is profiled per step from the engine's own t
 `step()`, in the forward, in the sampler): the sampler's share of step time is printed over the
 steps with `--max-num-seqs` requests running, and overall. Greedy agreement with hf_paged is
 informational. The last lines sum the ratios up against the targets (>= 2x static batching, >= 3x
-generate_batch, MFU >= 35%; sampling: hf_paged sampling >= 0.95x its greedy throughput, sampler <= 3%
+generate_batch, MFU >= 55%; sampling: hf_paged sampling >= 0.95x its greedy throughput, sampler <= 3%
 of step time at full batch).
 
     python benchmarks/throughput.py [--num-requests 64] [--threads N] [--skip generate_batch,static_bs32]
@@ -58,7 +58,7 @@ TARGET_SAMPLING_VS_GREEDY = 0.95
 TARGET_SAMPLER_SHARE = 0.03
 TARGET_VS_STATIC = 2.0
 TARGET_VS_GENERATE_BATCH = 3.0
-TARGET_MFU = 0.35
+TARGET_MFU = 0.55  # issue 13 (was 0.35)
 
 
 @dataclass
@@ -111,23 +111,33 @@ def build_workload(tokenizer, args) -> list[Request]:
 
 
 def measure_gemm(n: int = 2048, repeats: int = 7) -> tuple[float, float]:
-    """Median fp32 FLOP/s of `torch.mm` for an n x n x n square and for a model-shaped
-    [2048 tokens x 576] @ [576 x 1536] GEMM, after warm-up."""
+    """Median fp32 FLOP/s of an n x n x n square GEMM and of a model-shaped [2048 tokens x 576] @
+    [576 x 1536] one, after warm-up, each the faster of torch's `F.linear` (MKL) and the oneDNN
+    kernel hf_paged's forwards use (`hf_paged.hf.linear`): the peak is the best this machine does
+    with either, so a faster kernel cannot inflate the MFU."""
+    from hf_paged.hf import linear as fast_linear
 
-    def bench(a, b):
-        for _ in range(2):
-            torch.mm(a, b)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - start)
-        m, k = a.shape
-        return 2 * m * k * b.shape[1] / statistics.median(times)
+    kernels = [lambda x, w: torch.nn.functional.linear(x, w)]
+    if fast_linear.is_available():
+        kernels.append(fast_linear.linear_kernel())
+
+    def bench(x, w):  # x [m, k] @ w[n, k].T
+        best = 0.0
+        for fn in kernels:
+            for _ in range(2):
+                fn(x, w)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                fn(x, w)
+                times.append(time.perf_counter() - start)
+            m, k = x.shape
+            best = max(best, 2 * m * k * w.shape[0] / statistics.median(times))
+        return best
 
     gen = torch.Generator().manual_seed(0)
     square = bench(torch.randn(n, n, generator=gen), torch.randn(n, n, generator=gen))
-    shaped = bench(torch.randn(2048, 576, generator=gen), torch.randn(576, 1536, generator=gen))
+    shaped = bench(torch.randn(2048, 576, generator=gen), torch.randn(1536, 576, generator=gen))
     return square, shaped
 
 
@@ -416,7 +426,8 @@ def main():
     print(f"measured fp32 GEMM (after):  2048^3 square {square2 / 1e9:.1f} GFLOP/s; "
           f"[2048x576]@[576x1536] {shaped2 / 1e9:.1f} GFLOP/s")
     square = max(square, square2)
-    print(f"MFU peak: {square / 1e9:.1f} GFLOP/s (fp32 2048^3 torch.mm, best of before/after medians)")
+    print(f"MFU peak: {square / 1e9:.1f} GFLOP/s (fp32 2048^3, the faster of MKL and oneDNN, best of before/after "
+          "medians)")
 
     ok = {k: v for k, v in results.items() if v.error is None}
     tps = {k: useful / v.wall for k, v in ok.items()}

@@ -250,11 +250,13 @@ def paged_attention(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     group_size = num_q_heads // num_kv_heads
-    out = query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
     if num_tokens == 0 or max_seqlen_k == 0:
-        return out
+        return query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
     if plan is None:
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
+    # One group holding every query (batch 1): its output is the whole output, no scatter into zeros.
+    is_whole = len(plan.groups) == 1 and plan.groups[0].token_slice == slice(0, num_tokens)
+    out = None if is_whole else query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
     # Scratch buffers are reused by the next layer: only where autograd will not keep the K/V.
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
                                               or value_cache.requires_grad)
@@ -287,8 +289,13 @@ def paged_attention(
                 mask = group.mask(sliding_window)[..., :k.shape[2]]  # [Sg, Qmax, K]
             if softcap is not None or sinks is not None:
                 o = _attention_math(q.transpose(1, 2), k, v, mask, scale, softcap, sinks).transpose(1, 2)
+            elif mask is None and group.max_seqlen_q == 1:  # decode over every key: sdpa's own GQA
+                o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=scale,
+                                                   enable_gqa=group_size > 1).transpose(1, 2)
             else:
                 o = _grouped_query_attention(q, k, v, mask, scale)  # [Sg, Qmax, Hq, Dv]
+        if is_whole:
+            return o[0]
         if group.token_slice is not None:
             out[group.token_slice] = o[0]
         elif group.is_single_query:

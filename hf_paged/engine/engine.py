@@ -466,7 +466,8 @@ class Engine:
         began = time.perf_counter()
         try:
             if clean:
-                result = self.sampler(logits[[index[k] for k in clean]], [rows[k] for k in clean])
+                result = self.sampler(self.sampler.take_rows(logits, [index[k] for k in clean]),
+                                      [rows[k] for k in clean])
                 result = result.placed_at(clean, len(rows))
         except Exception:
             logger.warning("hf_paged: batched sampling failed; sampling each request alone", exc_info=True)

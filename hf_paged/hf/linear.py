@@ -55,6 +55,14 @@ def is_available() -> bool:
     return os.environ.get("HF_PAGED_FAST_LINEAR", "1") != "0" and bool(_probe())
 
 
+def linear_kernel():
+    """The faster kernel as `fn(input, weight, bias=None)` (what `F.linear` takes), or None where it is
+    unavailable or switched off; for benchmarks and tests."""
+    if not is_available():
+        return None
+    return lambda input, weight, bias=None: _kernel(input, weight, bias, "none", [], "")
+
+
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if (getattr(_local, "active", False) and input.dtype == torch.float32 and self.weight.dtype == torch.float32
             and input.device.type == "cpu" and not torch.is_grad_enabled()):

@@ -1,0 +1,144 @@
+"""`hf_paged.hf.linear`: the faster linear kernel of hf_paged's own forwards, inert everywhere else."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_paged.hf import linear
+
+pytestmark = pytest.mark.skipif(not linear.is_available(), reason="torch built without oneDNN")
+
+
+class LoraLike(torch.nn.Linear):
+    """A Linear subclass (quantised / LoRA layers are such): left alone."""
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8, bias=False),
+                               LoraLike(8, 8))
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls that reach the fast kernel."""
+    calls = []
+    kernel = linear._probe()
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return kernel(*args)
+
+    monkeypatch.setattr(linear, "_kernel", counting)
+    return calls
+
+
+def test_enable_patches_plain_linears_only_and_disable_restores():
+    model = make_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert linear.enable(model) == 2
+    assert linear.enable(model) == 2  # idempotent
+    assert all(type(m) is torch.nn.Linear for m in (model[0], model[2]))  # types untouched
+    assert "forward" in model[0].__dict__ and "forward" not in model[3].__dict__
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert set(model.state_dict()) == set(state)
+    linear.disable(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_module_with_its_own_forward_hook_is_left_alone():
+    model = make_model()
+    marker = model[0].forward
+    model[0].forward = marker  # what accelerate's hooks do
+    assert linear.enable(model) == 1
+    assert model[0].forward is marker
+
+
+def test_outside_the_context_it_is_exactly_f_linear(counted):
+    model = make_model()
+    linear.enable(model)
+    x = torch.randn(5, 24)
+    with torch.inference_mode():
+        out = model(x)
+    linear.disable(model)
+    with torch.inference_mode():
+        expected = model(x)
+    assert torch.equal(out, expected)
+    assert counted == []
+
+
+def test_inside_the_context_the_kernel_runs_and_agrees(counted):
+    model = make_model()
+    x = torch.randn(3, 7, 24)  # 3-D input, as transformers passes it
+    with torch.inference_mode():
+        expected = model(x)
+    linear.enable(model)
+    with torch.inference_mode(), linear.fast_linear():
+        out = model(x)
+    assert len(counted) == 2  # both plain linears, not the subclass
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_grad_mode_and_other_dtypes_keep_f_linear(counted):
+    model = make_model()
+    linear.enable(model)
+    x = torch.randn(2, 24, requires_grad=True)
+    with linear.fast_linear():
+        model(x).sum().backward()  # training: autograd through F.linear
+        with torch.no_grad():
+            model.to(torch.float64)(x.detach().double())
+    assert counted == []
+    assert model[0].weight.grad is not None
+
+
+def test_the_context_is_per_thread(counted):
+    model = make_model()
+    linear.enable(model)
+    x = torch.randn(2, 24)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold():
+        with linear.fast_linear():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    inside.wait(10)
+    with torch.inference_mode():
+        model(x)  # this thread is not inside the context
+    release.set()
+    thread.join()
+    assert counted == []
+
+
+def test_deepcopy_keeps_a_working_patch_bound_to_the_copy(counted):
+    model = make_model()
+    linear.enable(model)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone[0].weight.zero_()
+        clone[0].bias.fill_(1.0)
+    with torch.inference_mode(), linear.fast_linear():
+        out = clone[0](torch.randn(2, 24))
+    assert torch.equal(out, torch.ones(2, 40))  # the copy's own weights
+    assert counted
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_FAST_LINEAR", "0")
+    assert not linear.is_available()
+    assert linear.enable(make_model()) == 0
+
+
+def test_kernel_agrees_with_f_linear_on_decode_and_prefill_shapes():
+    kernel = linear.linear_kernel()
+    gen = torch.Generator().manual_seed(3)
+    for rows, k, n in [(1, 576, 1536), (6, 1536, 576), (64, 576, 192), (600, 576, 49152 // 16)]:
+        x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+        torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
