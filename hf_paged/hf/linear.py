@@ -4,8 +4,9 @@ torch runs a float32 `nn.Linear` on CPU through MKL's sgemm. At the small row co
 (1 row per sequence, k + 1 when verifying drafts) that call streams the weights on one thread at
 about 12 GB/s, while oneDNN's inner product, which torch ships and Inductor already calls
 (`torch.ops.mkldnn._linear_pointwise`), reads the same row-major weight on every thread.
-`benchmarks/latency.py --kernels` measures both on this model's shapes; on the 2-core AMD EPYC this
-project was built on, decoding's linears take 0.66x the time at one row and 0.51-0.91x up to 256 rows.
+`benchmarks/latency.py --kernels` measures both on all of this model's linears; on the 2-core AMD EPYC
+this project was built on they take 0.69x the time at one row, 0.72-0.76x at 6-256 rows on torch's
+two threads, and on one thread 0.85-0.89x at 6-256 rows but 1.04x at one row, where MKL is kept.
 
 `enable(model)` gives each plain `nn.Linear` of the model an instance `forward` (the pattern
 accelerate's hooks use; the module keeps its type, parameters and state dict) that takes the
@@ -65,7 +66,10 @@ def linear_kernel():
 
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     if (getattr(_local, "active", False) and input.dtype == torch.float32 and self.weight.dtype == torch.float32
-            and input.device.type == "cpu" and not torch.is_grad_enabled()):
+            and input.device.type == "cpu" and not torch.is_grad_enabled()
+            # One row on one thread: both kernels stream the weights at one core's bandwidth and MKL's
+            # was measured 4% faster (`benchmarks/latency.py --kernels --threads 1`).
+            and (input.numel() != input.shape[-1] or torch.get_num_threads() > 1)):
         return _kernel(input, self.weight, self.bias, "none", [], "")
     return F.linear(input, self.weight, self.bias)
 

@@ -142,3 +142,18 @@ def test_kernel_agrees_with_f_linear_on_decode_and_prefill_shapes():
     for rows, k, n in [(1, 576, 1536), (6, 1536, 576), (64, 576, 192), (600, 576, 49152 // 16)]:
         x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
         torch.testing.assert_close(kernel(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+
+
+def test_one_row_on_one_thread_keeps_mkl(counted):
+    model = make_model()
+    linear.enable(model)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode(), linear.fast_linear():
+            model(torch.randn(1, 24))
+            assert counted == []
+            model(torch.randn(2, 24))
+            assert len(counted) == 2
+    finally:
+        torch.set_num_threads(threads)
