@@ -63,14 +63,15 @@ def read_bandwidth(repeats: int = 7) -> float:
     return data.numel() * 4 / statistics.median(times)
 
 
+def distinct_bytes(tensors) -> int:
+    """Bytes of the distinct tensors (a tied embedding counted once)."""
+    unique = {t.data_ptr(): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def weight_bytes(model) -> int:
-    """Bytes of the distinct parameters (a tied embedding counted once): what one decode step reads."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of the distinct parameters: what one decode step reads."""
+    return distinct_bytes(model.parameters())
 
 
 class ForwardClock:
@@ -146,7 +147,7 @@ def kernels(model, repeats: int) -> None:
         return
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     weights = [m.weight for m in linears]
-    nbytes = sum(w.numel() * w.element_size() for w in {w.data_ptr(): w for w in weights}.values())
+    nbytes = distinct_bytes(weights)
     print(f"\n== kernels: all {len(linears)} linears of the model ({nbytes / 1e6:.0f} MB of weights), medians of {repeats}")
     print(f"{'rows':>6}{'stock F.linear ms':>19}{'hf_paged ms':>13}{'ratio':>8}{'stock GB/s':>12}{'hf_paged GB/s':>15}")
     kernel = fast_linear.linear_kernel()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..attention.torch_paged import Workspace
 from .sampling import SamplingState, uniform
 
 # Top-p without top-k: the nucleus is read off the most likely tokens (1024, then 16384 for the rows
@@ -103,21 +104,16 @@ class _Block:
 
 class Sampler:
     """Samples a step's rows. Stateless: all request state lives in the rows' `SamplingState`s (it
-    keeps only a scratch buffer for `take_rows`)."""
+    keeps only the scratch buffer of `take_rows`)."""
 
     def __init__(self):
-        self._scratch: torch.Tensor | None = None
+        self._workspace = Workspace()
 
     def take_rows(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
         """[len(index), vocab] copy of `logits` rows `index`, for `__call__` to overwrite, in a buffer
         reused from step to step: a fresh multi-megabyte CPU tensor each step page-faults on first
         touch, which at batch 64 cost several times the copy. Valid until the next call."""
-        num_rows, vocab = len(index), logits.shape[-1]
-        numel = num_rows * vocab
-        buf = self._scratch
-        if buf is None or buf.numel() < numel or buf.dtype != logits.dtype or buf.device != logits.device:
-            buf = self._scratch = torch.empty(int(numel * 1.25) + 1, dtype=logits.dtype, device=logits.device)
-        out = buf[:numel].view(num_rows, vocab)
+        out = self._workspace.get("logits", (len(index), logits.shape[-1]), logits.dtype, logits.device)
         return torch.index_select(logits, 0, torch.tensor(index, device=logits.device), out=out)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow], with_outputs: bool = True) -> SamplerOutput:
