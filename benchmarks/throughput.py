@@ -28,6 +28,16 @@ of step time at full batch).
     python benchmarks/throughput.py [--num-requests 64] [--threads N] [--skip generate_batch,static_bs32]
                                     [--modes greedy,sampling]
     python benchmarks/throughput.py --num-requests 4 --max-prompt 40 --max-output 8 --skip hf_paged   # smoke
+    python benchmarks/throughput.py --modes greedy --skip static_bs8,static_bs32,generate_batch --ceiling
+
+`--kv-budget MiB` is the memory-bound view (issue 14): only hf_paged runs, once per `--kv-dtypes`
+(default float32,int8,fp8), each with `max_kv_bytes` = that budget, and it prints output tokens/s,
+preemptions and peak KV blocks per dtype, with each dtype's throughput against float32's.
+
+`--ceiling` bounds what a faster decode-attention kernel could buy: it runs hf_paged once more with
+attention replaced by zeros (same schedule, same GEMMs; outputs discarded), adds the time to read
+every decode step's K/V once at the machine's measured copy bandwidth, and prints the MFU that
+perfect attention would reach.
 """
 
 from __future__ import annotations
@@ -282,14 +292,14 @@ def run_generate_batch(model, requests: list[Request], args, pad_id: int, sampli
     return res
 
 
-def run_hf_paged(model, requests: list[Request], args, sampling: bool) -> Result:
+def run_hf_paged(model, requests: list[Request], args, sampling: bool, **engine_kwargs) -> Result:
     """hf_paged's Engine on the same model object (attention switched to "hf_paged"), stepped by hand
     (what `generate` does) so that each step's profile is read from the engine's own timers."""
     from hf_paged import Engine, SamplingParams
 
     model.set_attn_implementation("hf_paged")
     engine = Engine(model, tokenizer=None, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False)
+                    max_num_batched_tokens=args.max_num_batched_tokens, show_progress=False, **engine_kwargs)
     # min_new_tokens = max_new_tokens = n masks EOS for all n tokens, as stock generate's min_new_tokens
     # does, so each request produces exactly n tokens and greedy outputs are comparable. Not ignore_eos=True:
     # hf_paged (like vLLM) leaves EOS out of the masked end tokens then, so EOS can be emitted mid-output.
@@ -324,11 +334,74 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool) -> Result
                     forward=sum(r[3] for r in rows) / step if step else None)
 
     res.profile = dict(full=shares(full), all=shares(steps))
+    metrics = engine.metrics()
+    res.profile.update(preemptions=metrics["vllm:num_preemptions"], peak_blocks=metrics["kv_peak_blocks"],
+                       num_blocks=metrics["kv_num_blocks"], bytes_per_block=metrics["kv_bytes_per_block"])
     try:
         res.note = engine.metrics_summary()
     except Exception as exc:  # noqa: BLE001 - informational only
         res.note = f"(metrics_summary failed: {exc!r})"
     return res
+
+
+def kv_budget_runs(model, requests: list[Request], args) -> None:
+    """hf_paged once per KV dtype under one `max_kv_bytes` budget (memory binds: preemptions)."""
+    budget = int(args.kv_budget * 2**20)
+    useful = sum(r.n for r in requests)
+    print(f"\n== KV budget {args.kv_budget:g} MiB ({budget:,} bytes), hf_paged greedy, one run per KV dtype", flush=True)
+    results = {}
+    for name in [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]:
+        torch.manual_seed(0)
+        res = run_hf_paged(model, requests, args, sampling=False, kv_cache_dtype=name, max_kv_bytes=budget)
+        model.set_attn_implementation("sdpa")
+        check_lengths(res, requests)
+        results[name] = res
+        p = res.profile
+        print(f"  {name:9} {res.wall:8.2f} s  {useful / res.wall:6.1f} out tok/s  preemptions {p['preemptions']:4d}  "
+              f"pool {p['num_blocks']} blocks of {p['bytes_per_block']:,} bytes (peak in use {p['peak_blocks']})"
+              f"{'  ' + res.note.split(' WARNING')[1] if ' WARNING' in res.note else ''}", flush=True)
+    base = results.get("float32")
+    if base is not None:
+        for name, res in results.items():
+            same = sum(a == b for a, b in zip(res.outputs, base.outputs))
+            print(f"  SUMMARY {name}: {base.wall / res.wall:.2f}x float32's throughput, "
+                  f"{res.profile['preemptions']} preemptions (float32 {base.profile['preemptions']}); "
+                  f"greedy outputs identical to float32's: {same}/{len(requests)} (informational)")
+
+
+def attention_ceiling(model, requests: list[Request], args, flops: float, peak: float) -> None:
+    """MFU with a perfect decode-attention kernel: hf_paged's wall time with attention stubbed out
+    (zeros; the schedule and every GEMM are unchanged) plus every decode step's K/V read once at the
+    measured copy bandwidth. Prefill attention is dropped too, so this is an upper bound."""
+    from hf_paged.attention import torch_paged
+
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    # decode step t of request r reads P_r + t tokens of K and V in every layer
+    kv_bytes = (sum(sum(len(r.prompt) + t for t in range(r.n)) for r in requests) * cfg.num_hidden_layers
+                * cfg.num_key_value_heads * head_dim * 2 * next(model.parameters()).element_size())
+    src = torch.empty(256 * 2**20 // 4)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - start)
+    bandwidth = 2 * src.numel() * 4 / statistics.median(times)  # read + write
+    real = torch_paged.paged_attention
+
+    def no_attention(query, key_cache, value_cache, *rest, **kwargs):
+        return query.new_zeros(query.shape[0], query.shape[1], value_cache.shape[-1])
+
+    torch_paged.paged_attention = no_attention
+    try:
+        stub = run_hf_paged(model, requests, args, sampling=False)
+    finally:
+        torch_paged.paged_attention = real
+    ideal = stub.wall + kv_bytes / bandwidth
+    print(f"\nCEILING hf_paged with attention stubbed out: {stub.wall:.2f} s; decode K/V read once at "
+          f"{bandwidth / 1e9:.1f} GB/s copy bandwidth: {kv_bytes / 1e9:.1f} GB in {kv_bytes / bandwidth:.2f} s; "
+          f"total {ideal:.2f} s -> MFU with perfect attention {flops / ideal / peak:.1%} (target {TARGET_MFU:.0%})")
 
 
 # ------------------------------------------------------------------------------------------------ report
@@ -360,6 +433,11 @@ def main():
                         help="call model.generate_batch itself (one max_new_tokens = max n for all requests)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
     parser.add_argument("--verbose", action="store_true", help="keep transformers' warnings")
+    parser.add_argument("--kv-budget", type=float, default=None, metavar="MiB",
+                        help="run only hf_paged, once per --kv-dtypes, with this max_kv_bytes (see above)")
+    parser.add_argument("--kv-dtypes", default="float32,int8,fp8", help="KV dtypes for --kv-budget")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also bound the MFU a perfect decode-attention kernel would reach (see above)")
     args = parser.parse_args()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
@@ -396,6 +474,10 @@ def main():
     print(f"measured fp32 GEMM (before): 2048^3 square {square / 1e9:.1f} GFLOP/s; "
           f"[2048x576]@[576x1536] {shaped / 1e9:.1f} GFLOP/s", flush=True)
 
+    if args.kv_budget is not None:
+        kv_budget_runs(model, requests, args)
+        return
+
     results: dict[tuple[str, str], Result] = {}
     runners = {
         "static_bs8": lambda s: run_static(model, requests, 8, pad_id, s),
@@ -428,6 +510,11 @@ def main():
     square = max(square, square2)
     print(f"MFU peak: {square / 1e9:.1f} GFLOP/s (fp32 2048^3, the faster of MKL and oneDNN, best of before/after "
           "medians)")
+
+    if args.ceiling:
+        model.set_attn_implementation("hf_paged")
+        attention_ceiling(model, requests, args, flops, square)
+        model.set_attn_implementation("sdpa")
 
     ok = {k: v for k, v in results.items() if v.error is None}
     tps = {k: useful / v.wall for k, v in ok.items()}

@@ -17,10 +17,73 @@ MAX_DECODE_QUERY_LEN = 16
 # k drafts are verified at k + 1 positions, which must stay on the decode path.
 MAX_SPECULATIVE_TOKENS = MAX_DECODE_QUERY_LEN - 1
 
-# "auto" stores K/V in the model's dtype; the others force a storage dtype.
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-# Quantized storage arrives with the quantized-KV work; named here so the error can say so.
-PLANNED_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+
+
+@dataclass(frozen=True)
+class KVCacheDtype:
+    """One name of the KV dtype vocabulary.
+
+    Attributes:
+        name: the canonical name (what `PagedCacheConfig.kv_cache_dtype` holds after validation).
+        storage: the torch dtype's attribute name (`getattr(torch, storage)`); None for "auto" (the
+            model's dtype).
+        itemsize: bytes per stored element; None for "auto".
+        qmax: quantised dtypes only: the largest magnitude a payload element holds (int8 127, fp8
+            e4m3 448, fp8 e5m2 57344); a dynamic scale maps each row's absolute maximum onto it.
+    """
+
+    name: str
+    storage: str | None
+    itemsize: int | None
+    qmax: float | None = None
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.qmax is not None
+
+
+# The one vocabulary of KV cache dtypes, used by `PagedCacheConfig`, `Engine(kv_cache_dtype=...)`, the
+# sizing CLI (`hf-paged kv-size --kv-dtype`) and the docs. "auto" stores K/V in the model's dtype.
+KV_CACHE_DTYPES: dict[str, KVCacheDtype] = {d.name: d for d in (
+    KVCacheDtype("auto", None, None),
+    KVCacheDtype("float32", "float32", 4),
+    KVCacheDtype("float16", "float16", 2),
+    KVCacheDtype("bfloat16", "bfloat16", 2),
+    KVCacheDtype("fp8_e4m3", "float8_e4m3fn", 1, qmax=448.0),
+    KVCacheDtype("fp8_e5m2", "float8_e5m2", 1, qmax=57344.0),
+    KVCacheDtype("int8", "int8", 1, qmax=127.0),
+)}
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+KV_CACHE_DTYPE_NAMES = tuple(KV_CACHE_DTYPES) + tuple(KV_CACHE_DTYPE_ALIASES)
+# A quantised cache keeps one float32 scale per token and KV head, for K and for V (see `KV_QUANT_SCHEMES`).
+KV_SCALE_BYTES = 4
+
+# How a quantised cache picks its scales (`PagedCacheConfig.kv_quant_scheme`; ignored unquantised):
+#   "dynamic"       one symmetric scale per token and KV head, from that row's absolute maximum when
+#                   it is written (the default: no calibration, and a scale cannot collapse);
+#   "dynamic_token" one symmetric scale per token shared by all its KV heads;
+#   "asymmetric"    int8 only: a scale and an offset per token and KV head (min/max), torch path only;
+#   "unit"          fp8 only: every scale is 1.0 and values saturate at the dtype's range (vLLM's fallback
+#                   when a checkpoint has no scales; for comparison).
+# A checkpoint's own per-layer `k_scale` / `v_scale` (compressed-tensors FP8) replace the dynamic scales.
+KV_QUANT_SCHEMES = ("dynamic", "dynamic_token", "asymmetric", "unit")
+
+
+def kv_cache_dtype(name: str) -> KVCacheDtype:
+    """The vocabulary entry for `name` (an alias such as "fp8" resolves to its canonical name).
+
+    Raises:
+        ValueError: `name` is not in the vocabulary.
+    """
+    if not isinstance(name, str) or KV_CACHE_DTYPE_ALIASES.get(name, name) not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; expected one of {', '.join(KV_CACHE_DTYPE_NAMES)}")
+    return KV_CACHE_DTYPES[KV_CACHE_DTYPE_ALIASES.get(name, name)]
+
+
+def kv_scale_channels(scheme: str) -> int:
+    """Floats stored per (token, scale group) by a quantisation scheme: 2 (scale, offset) for
+    "asymmetric", else 1."""
+    return 2 if scheme == "asymmetric" else 1
 
 
 @dataclass(frozen=True)
@@ -33,8 +96,14 @@ class PagedCacheConfig:
             `max_kv_bytes`. When neither is set, the pool grows on demand without a ceiling.
         max_kv_bytes: a memory budget (bytes, all layers, K and V); the pool grows on demand up
             to it.
-        kv_cache_dtype: storage dtype of K/V: "auto" (the model's), "float32", "float16" or
-            "bfloat16".
+        kv_cache_dtype: storage dtype of K/V, from `KV_CACHE_DTYPES`: "auto" (the model's), "float32",
+            "float16", "bfloat16", or quantised one-byte storage "fp8" (= "fp8_e4m3"), "fp8_e5m2",
+            "int8". Stored canonical ("fp8" becomes "fp8_e4m3").
+        kv_quant_scheme: how a quantised cache scales its rows, from `KV_QUANT_SCHEMES` (default
+            "dynamic": per token and KV head).
+        kv_quant_rotation: a quantised cache rotates each K/V head row by a fixed Hadamard matrix
+            before quantising (attention is unchanged in exact arithmetic, the rounding error of q.k
+            shrinks; see `attention.kv_quant`). Default True.
         enable_prefix_caching: share full blocks whose token prefix (hash chain) is identical.
         cache_salt: mixed into every block hash so that caches which must not share K/V (other
             adapters, tenants) never do.
@@ -44,6 +113,8 @@ class PagedCacheConfig:
     num_blocks: int | None = None
     max_kv_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    kv_quant_scheme: str = "dynamic"
+    kv_quant_rotation: bool = True
     enable_prefix_caching: bool = True
     cache_salt: str | None = None
 
@@ -58,15 +129,37 @@ class PagedCacheConfig:
             raise ValueError(f"max_kv_bytes must be a positive integer or None, got {self.max_kv_bytes!r}")
         if self.num_blocks is not None and self.max_kv_bytes is not None:
             raise ValueError("set either num_blocks (a fixed pool) or max_kv_bytes (a growth budget), not both")
-        if self.kv_cache_dtype in PLANNED_KV_CACHE_DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} (quantized KV) is not supported yet; "
-                f"use one of {SUPPORTED_KV_CACHE_DTYPES}"
-            )
-        if self.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
-            raise ValueError(
-                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; expected one of {SUPPORTED_KV_CACHE_DTYPES}"
-            )
+        spec = kv_cache_dtype(self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", spec.name)
+        if not isinstance(self.kv_quant_rotation, bool):
+            raise ValueError(f"kv_quant_rotation must be True or False, got {self.kv_quant_rotation!r}")
+        if self.kv_quant_scheme not in KV_QUANT_SCHEMES:
+            raise ValueError(f"unknown kv_quant_scheme {self.kv_quant_scheme!r}; expected one of {KV_QUANT_SCHEMES}")
+        if spec.is_quantized and self.kv_quant_scheme == "asymmetric" and spec.name != "int8":
+            raise ValueError(f"kv_quant_scheme='asymmetric' is for kv_cache_dtype='int8', not {spec.name!r}")
+        if spec.is_quantized and self.kv_quant_scheme == "unit" and spec.name == "int8":
+            raise ValueError("kv_quant_scheme='unit' (scale 1.0) is for fp8 caches; int8 needs a scale")
+
+    @property
+    def kv_dtype(self) -> KVCacheDtype:
+        """The `KV_CACHE_DTYPES` entry of `kv_cache_dtype`."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+def kv_bytes_per_token_layer(num_kv_heads: int, head_dim: int, head_dim_v: int, kv_dtype: KVCacheDtype,
+                             scheme: str = "dynamic", model_itemsize: int = 4) -> int:
+    """Bytes one token's K and V take in one layer: the payload plus, when quantised, its scales
+    (`KV_SCALE_BYTES` per scale group of K and of V, two floats each for "asymmetric"). The cache's
+    tensors and every byte figure (pool sizing, the sizing CLI) come from this one formula."""
+    payload = num_kv_heads * (head_dim + head_dim_v) * (kv_dtype.itemsize or model_itemsize)
+    if not kv_dtype.is_quantized:
+        return payload
+    return payload + 2 * kv_scale_groups(num_kv_heads, scheme) * KV_SCALE_BYTES * kv_scale_channels(scheme)
+
+
+def kv_scale_groups(num_kv_heads: int, scheme: str) -> int:
+    """Scale groups per token of one K or V: every KV head, or one for "dynamic_token"."""
+    return 1 if scheme == "dynamic_token" else num_kv_heads
 
 
 def check_pool_fits(num_blocks: int | None, block_size: int, max_length: int | None) -> None:

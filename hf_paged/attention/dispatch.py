@@ -17,6 +17,7 @@ import torch
 
 from ..config import MAX_DECODE_QUERY_LEN
 from . import torch_paged
+from .kv_quant import rotate
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -44,14 +45,19 @@ def _has_triton() -> bool:
     return True
 
 
-def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device) -> None:
+def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
+                         quant_scheme: str | None = None) -> None:
     """Raise ValueError, before any forward, when paged attention on `device` cannot read a `kv_dtype`
-    K/V cache under `dtype` queries. The torch backend reads any float cache (it casts K/V to the
-    query's dtype); the Triton kernels read the query's own dtype, or fp16/bf16 under fp32 queries."""
+    K/V cache under `dtype` queries. The torch backend reads any float or quantised cache (it casts or
+    dequantises K/V to the query's dtype); the Triton kernels read the query's own dtype, fp16/bf16
+    under fp32 queries, and int8/fp8 payloads with symmetric scales (`quant_scheme` not "asymmetric")."""
     if backend(device) != "triton":
         return
     from .triton.checks import can_read_kv_dtype
 
+    if quant_scheme == "asymmetric":
+        raise ValueError("kv_quant_scheme='asymmetric' is implemented on the torch path only; the Triton kernels "
+                         "read symmetric scales ('dynamic', 'dynamic_token', 'unit'); or set HF_PAGED_BACKEND=torch")
     if not can_read_kv_dtype(dtype, kv_dtype):
         name = str(kv_dtype).removeprefix("torch.")
         raise ValueError(
@@ -61,30 +67,48 @@ def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torc
         )
 
 
-def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots: bool = True) -> None:
+def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots: bool = True, scales=None) -> None:
     """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`
-    (`has_skipped_slots=False` promises there is no -1, which spares the torch path a check)."""
+    (`has_skipped_slots=False` promises there is no -1, which spares the torch path a check;
+    `scales`, a quantised cache's `kv_quant.KVScales`, makes the write quantise, after rotating the
+    rows when its scheme rotates: see `kv_quant`)."""
+    if scales is not None and scales.quant.rotate:
+        key, value = rotate(key), rotate(value)
     if backend(key.device) == "triton":
         from .triton.store_kv import store_kv as triton_store_kv
 
-        return triton_store_kv(key, value, key_cache, value_cache, slot_mapping)
-    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots)
+        return triton_store_kv(key, value, key_cache, value_cache, slot_mapping, scales=scales)
+    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots, scales=scales)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None):
+                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None, scales=None):
     """Varlen causal attention over paged K/V. See `torch_paged.paged_attention` for the contract;
-    `plan` is the torch path's per-step `torch_paged.AttentionPlan` (ignored by Triton). Up to
+    `plan` is the torch path's per-step `torch_paged.AttentionPlan` (ignored by Triton); `scales` a
+    quantised cache's `kv_quant.KVScales` (K/V are dequantised as they are read). Up to
     `MAX_DECODE_QUERY_LEN` queries per sequence the split-KV decode kernel runs, above it the tiled
     prefill kernel."""
+    if scales is not None and scales.quant.rotate:  # rotated K/V: rotate the queries, un-rotate the output
+        out = paged_attention(rotate(query), key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                              max_seqlen_q, max_seqlen_k, scale, sliding_window, softcap, sinks, plan,
+                              _unrotated(scales))
+        return rotate(out)
     if backend(query.device) == "triton":
         if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
             from .triton.decode import paged_decode as kernel
         else:
             from .triton.prefill import flash_prefill as kernel
         return kernel(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                      max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+                      max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                      scales=scales)
     return torch_paged.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan,
+        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan, scales=scales,
     )
+
+
+def _unrotated(scales):
+    """The same scales with rotation already applied by the caller (a shallow copy)."""
+    from dataclasses import replace
+
+    return replace(scales, quant=replace(scales.quant, rotate=False))

@@ -102,6 +102,7 @@ def paged_attention_forward(
             softcap=softcap,
             sinks=s_aux,
             plan=meta.attention_plan(key.shape[1]) if dispatch.backend(query.device) == "torch" else None,
+            scales=meta.kv_scales.get(id(key)),
         )
         return meta.unpack(out), None
     return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,

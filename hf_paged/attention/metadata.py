@@ -68,6 +68,9 @@ class StepMetadata:
     max_seqlen_k: int
     has_skipped_slots: bool = True
     layers_done: set[int] = field(default_factory=set)
+    # Quantised layers' scales by the id of the payload tensor the cache returned for the layer (the
+    # attention receives that tensor as `key`): `kv_quant.KVScales`.
+    kv_scales: dict = field(default_factory=dict)
     dense_index: tuple[torch.Tensor, torch.Tensor] | None = None  # DENSE: (slots, valid), [batch, num_columns]
     workspace: object = None  # the cache's `torch_paged.Workspace`, for the torch path's gathers
     _plans: dict = field(default_factory=dict, repr=False)

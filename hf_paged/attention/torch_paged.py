@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MAX_DECODE_QUERY_LEN
+from .kv_quant import KVScales, dequantize, quantize, rotate
 
 
 def store_kv(
@@ -23,21 +24,32 @@ def store_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
     has_skipped_slots: bool = True,  # False: the caller knows there is no -1 (no check, no host sync)
+    scales: KVScales | None = None,  # a quantised cache's scales: rows are quantised into the payload
 ) -> None:
     """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1.
 
     K and V may have different head widths (`head_dim_v != head_dim`, e.g. the latent and rotary
     parts that DeepSeek's multi-head latent attention caches); each cache keeps its own. Rows are
-    cast to each cache's dtype."""
+    cast to each cache's dtype, or, with `scales`, quantised (`kv_quant.quantize`) and their scales
+    written to the same slots."""
     if has_skipped_slots:
         keep = slot_mapping >= 0
         if not bool(keep.all()):
             key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     if slot_mapping.numel() == 0:
         return
-    for rows, cache in ((key, key_cache), (value, value_cache)):
-        # view, not flatten: a cache whose slots cannot be viewed flat must fail, not fill a copy
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+    if scales is None:
+        for rows, cache in ((key, key_cache), (value, value_cache)):
+            # view, not flatten: a cache whose slots cannot be viewed flat must fail, not fill a copy
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+        return
+    quant = scales.quant
+    for rows, cache, scale_cache, static in ((key, key_cache, scales.key, quant.key_scale),
+                                             (value, value_cache, scales.value, quant.value_scale)):
+        payload, row_scales = quantize(rows, quant, static)
+        # one-byte payloads move as uint8 (index_copy_ has no float8 kernel on every device)
+        cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, payload.view(torch.uint8))
+        scale_cache.view(-1, *scale_cache.shape[2:]).index_copy_(0, slot_mapping, row_scales)
 
 
 def slots_of(
@@ -57,6 +69,7 @@ def gather_dense(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     step,  # the forward's `StepMetadata` (DENSE mode)
     dtype: torch.dtype,
+    scales: KVScales | None = None,  # a quantised cache's scales: dequantised in the gather
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, num_kv_heads, num_columns, head_dim], same with head_dim_v
     """K/V in transformers' padded column order for sdpa/eager, zeros at padding columns, each at
     its own head width. The gather index is built once per step (on `step.dense_index`) and shared
@@ -69,8 +82,15 @@ def gather_dense(
         step.dense_index = (slots_of(step.block_tables.to(device), tok.clamp(min=0), key_cache.shape[1]), valid)
     slots, valid = step.dense_index
     out = []
-    for cache in (key_cache, value_cache):
-        gathered = cache.flatten(0, 1)[slots].to(dtype)  # [batch, num_columns, heads, dim]
+    for cache, scale_cache in ((key_cache, None if scales is None else scales.key),
+                               (value_cache, None if scales is None else scales.value)):
+        gathered = cache.flatten(0, 1)[slots]  # [batch, num_columns, heads, dim]
+        if scale_cache is None:
+            gathered = gathered.to(dtype)
+        else:
+            gathered = dequantize(gathered, scale_cache.flatten(0, 1)[slots], dtype)
+            if scales.quant.rotate:
+                gathered = rotate(gathered)
         gathered = gathered.masked_fill(~valid[:, :, None, None], 0)
         out.append(gathered.transpose(1, 2).contiguous())
     return out[0], out[1]
@@ -164,18 +184,27 @@ class _Group:
         return self._masks[sliding_window]
 
     def gather(self, cache: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None,
-               length: int | None = None) -> torch.Tensor:
+               length: int | None = None, scales: torch.Tensor | None = None,
+               dequantized: torch.Tensor | None = None) -> torch.Tensor:
         """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V (D: that cache's own
-        head width), gathered block by block."""
+        head width), gathered block by block. A quantised cache (`scales`: its
+        [num_blocks, block_size, G, C] scales) is dequantised to `dtype` as it is gathered, into
+        `dequantized` when given (a workspace buffer the size of the gathered blocks)."""
         num_kv_heads, head_dim = cache.shape[2:]
         if self.first_block is not None:  # zero-copy: [1, n * block_size, H, D] -> its first `length` rows
-            blocks = cache[self.first_block:self.first_block + self.blocks.numel()]
-            out = blocks.view(1, -1, num_kv_heads, head_dim)[:, :self.seq_len if length is None else length]
+            end = self.first_block + self.blocks.numel()
+            blocks = cache[self.first_block:end]
+            n = self.seq_len if length is None else length
+            out = blocks.view(1, -1, num_kv_heads, head_dim)[:, :n]
+            if scales is not None:
+                out = dequantize(out, scales[self.first_block:end].view(1, -1, *scales.shape[2:])[:, :n], dtype)
             return out.to(dtype).transpose(1, 2)
         if buffer is None:
             blocks = cache.index_select(0, self.blocks)
         else:
             blocks = torch.index_select(cache, 0, self.blocks, out=buffer)
+        if scales is not None:
+            blocks = dequantize(blocks, scales.index_select(0, self.blocks), dtype, out=dequantized)
         if length is None and self.invalid_rows.numel():
             blocks.view(-1, num_kv_heads, head_dim).index_fill_(0, self.invalid_rows, 0)
         out = blocks.view(self.num_seqs, self.max_seqlen_k, num_kv_heads, head_dim)[:, :length]
@@ -235,6 +264,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
     plan: AttentionPlan | None = None,
+    scales: KVScales | None = None,  # a quantised cache's scales (`kv_quant`): K/V dequantised as gathered
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's new queries over its cached prefix plus themselves.
 
@@ -262,14 +292,18 @@ def paged_attention(
                                               or value_cache.requires_grad)
     workspace = None if needs_grad else plan.workspace
     for group in plan.groups:
-        buffers = [None, None]
+        buffers, dequantized = [None, None], [None, None]
         if workspace is not None and group.first_block is None:
             buffers = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), cache.dtype, cache.device)
                        for name, cache in (("k", key_cache), ("v", value_cache))]
+            if scales is not None:
+                dequantized = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), query.dtype, cache.device)
+                               for name, cache in (("kq", key_cache), ("vq", value_cache))]
         is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
         length = group.num_kv if is_causal_sdpa else None
-        k = group.gather(key_cache, query.dtype, buffers[0], length)  # [Sg, Hkv, Kmax (or q_len), D]
-        v = group.gather(value_cache, query.dtype, buffers[1], length)  # [Sg, Hkv, Kmax (or q_len), Dv]
+        k_scales, v_scales = (None, None) if scales is None else (scales.key, scales.value)
+        k = group.gather(key_cache, query.dtype, buffers[0], length, k_scales, dequantized[0])  # [Sg, Hkv, K, D]
+        v = group.gather(value_cache, query.dtype, buffers[1], length, v_scales, dequantized[1])  # [Sg, Hkv, K, Dv]
         if group.token_slice is not None:
             q = query[group.token_slice][None]  # [1, q_len, Hq, D]
         elif group.is_single_query:

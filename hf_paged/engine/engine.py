@@ -121,7 +121,9 @@ class Engine:
         tokenizer: optional; needed for string prompts, `.text` and stop strings.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one forward (decodes plus prefill chunks).
-        block_size, kv_cache_dtype, enable_prefix_caching, cache_salt: see `PagedCacheConfig`.
+        block_size, kv_cache_dtype, kv_quant_scheme, kv_quant_rotation, enable_prefix_caching, cache_salt: see
+            `PagedCacheConfig` (`kv_cache_dtype` takes the names of `config.KV_CACHE_DTYPES`; a quantised
+            cache honours a checkpoint's own `k_scale` / `v_scale`).
         num_blocks: fixed KV pool size in blocks. Default: from `max_kv_bytes`.
         max_kv_bytes: KV budget in bytes. Default: 2 GiB on CPU, half the free memory on CUDA, capped
             at what `max_num_seqs` full-length sequences need.
@@ -147,6 +149,8 @@ class Engine:
         num_blocks: int | None = None,
         max_kv_bytes: int | None = None,
         kv_cache_dtype: str = "auto",
+        kv_quant_scheme: str = "dynamic",
+        kv_quant_rotation: bool = True,
         enable_prefix_caching: bool = True,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
@@ -173,13 +177,17 @@ class Engine:
         self.device = next(model.parameters()).device
         self.show_progress = show_progress
         probe = PagedCacheConfig(block_size=block_size, num_blocks=num_blocks, max_kv_bytes=max_kv_bytes,
-                                 kv_cache_dtype=kv_cache_dtype)  # validates the knobs before any sizing
+                                 kv_cache_dtype=kv_cache_dtype,
+                                 kv_quant_scheme=kv_quant_scheme,
+                                 kv_quant_rotation=kv_quant_rotation)  # validates the knobs before any sizing
         cache_config = PagedCacheConfig(
             block_size=block_size,
             num_blocks=num_blocks or default_num_blocks(model, probe, max_num_seqs, self.max_model_len, self.device),
-            kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
+            kv_cache_dtype=kv_cache_dtype, kv_quant_scheme=kv_quant_scheme, kv_quant_rotation=kv_quant_rotation,
+            enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         )
         self.cache = PagedCache(model.config, cache_config)
+        self.cache.use_checkpoint_kv_scales(model)
         self.scheduler = Scheduler(self.cache.manager, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens)
         self.eos_token_ids = (model_eos_token_ids(model, tokenizer) if eos_token_ids is None

@@ -36,9 +36,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import dispatch
+from ..attention.kv_quant import KVQuant, KVScales
 from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from ..attention.torch_paged import Workspace, gather_dense
-from ..config import PagedCacheConfig
+from ..config import PagedCacheConfig, kv_bytes_per_token_layer
 from ..core import BlockManager, BlockPool, KVSequence
 from . import pool_sizing
 from .padding import real_columns, real_tokens
@@ -58,36 +59,67 @@ class PagedLayer(CacheLayerMixin):
         super().__init__()
         self._cache = cache
         self.is_sliding = is_sliding
+        # A quantised layer's scales and scheme (`kv_quant.KVScales`), set with its tensors; None unquantised.
+        self.scales: KVScales | None = None
+        self.quant: KVQuant | None = None  # set before initialisation (a checkpoint's static scales)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         cache = self._cache
         num_blocks, block_size = cache.pool.num_blocks, cache.block_size
         dtype = cache.kv_dtype or key_states.dtype
         self.device = key_states.device
+        num_kv_heads = key_states.shape[1]
         # zeros, not empty: padding columns of the dense path read never-written slots
-        self.keys = torch.zeros(num_blocks, block_size, key_states.shape[1], key_states.shape[3], dtype=dtype,
+        self.keys = torch.zeros(num_blocks, block_size, num_kv_heads, key_states.shape[3], dtype=dtype,
                                 device=self.device)
         self.values = torch.zeros(num_blocks, block_size, value_states.shape[1], value_states.shape[3],
                                   dtype=dtype, device=self.device)
+        if cache.cache_config.kv_dtype.is_quantized:
+            quant = self.quant or cache.default_quant
+            shape = (num_blocks, block_size, *quant.scales_shape(num_kv_heads))
+            self.scales = KVScales(torch.zeros(shape, device=self.device), torch.zeros(shape, device=self.device),
+                                   quant)
         self.is_initialized = True
 
+    def _tensors(self) -> list[tuple[object, str]]:
+        """(owner, attribute) of every tensor with a block dimension: K, V and a quantised layer's scales."""
+        pairs = [(self, "keys"), (self, "values")]
+        if self.scales is not None:
+            pairs += [(self.scales, "key"), (self.scales, "value")]
+        return pairs
+
+    @property
+    def key_scales(self) -> torch.Tensor | None:  # [num_blocks, block_size, groups, channels] or None
+        return None if self.scales is None else self.scales.key
+
+    @property
+    def value_scales(self) -> torch.Tensor | None:
+        return None if self.scales is None else self.scales.value
+
     def resize(self, num_blocks: int) -> None:
-        """Grow the block dimension to `num_blocks`, keeping existing blocks (pool growth only)."""
+        """Grow the block dimension to `num_blocks`, keeping existing blocks and their scales (pool growth only)."""
         if not self.is_initialized or self.keys.shape[0] == num_blocks:
             return
-        for name in ("keys", "values"):
-            old = getattr(self, name)
+        for owner, name in self._tensors():
+            old = getattr(owner, name)
             new = old.new_zeros(num_blocks, *old.shape[1:])
             new[: old.shape[0]] = old
-            setattr(self, name, new)
+            setattr(owner, name, new)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole blocks `src[i]` -> `dst[i]` (copy-on-write), payload and scales alike."""
         if self.is_initialized:
             # Tensors first written inside an engine forward are inference tensors: copy-on-write
             # before the next forward must write them in the same mode.
             with torch.inference_mode(self.keys.is_inference()):
-                self.keys[dst.to(self.device)] = self.keys[src.to(self.device)]
-                self.values[dst.to(self.device)] = self.values[src.to(self.device)]
+                src, dst = src.to(self.device), dst.to(self.device)
+                for owner, name in self._tensors():
+                    tensor = getattr(owner, name)
+                    tensor[dst] = tensor[src]
+
+    def bytes_per_block(self) -> int:
+        """Bytes one block of this (initialised) layer takes: K and V payload plus their scales."""
+        return sum(getattr(o, n)[0].numel() * getattr(o, n).element_size() for o, n in self._tensors())
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError("PagedLayer is written through PagedCache.update")
@@ -131,8 +163,11 @@ class PagedCache(Cache):
         self.cache_config = cache_config or PagedCacheConfig(**overrides)
         super().__init__(layers=[PagedLayer(self, is_sliding=t == "sliding_attention") for t in layer_types_of(config)])
         self.block_size = self.cache_config.block_size
-        kv = self.cache_config.kv_cache_dtype
-        self.kv_dtype = None if kv == "auto" else getattr(torch, kv)
+        spec = self.cache_config.kv_dtype
+        self.kv_dtype = None if spec.storage is None else getattr(torch, spec.storage)
+        # How a quantised cache's layers quantise unless a checkpoint gives a layer its own scales.
+        self.default_quant = (KVQuant.of(spec, self.cache_config.kv_quant_scheme,
+                                         rotate=self.cache_config.kv_quant_rotation) if spec.is_quantized else None)
         self._model_config = config
         self.has_latent_kv = has_latent_kv(config)
         self._config_kv_shapes = kv_head_shapes(config)  # (num_kv_heads, head_dim, head_dim_v)
@@ -193,14 +228,17 @@ class PagedCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             if step.mode == PAGED and self.kv_dtype is not None:  # an engine step: first sight of the dtype
-                dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device)
+                dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device,
+                                                  self.cache_config.kv_quant_scheme)
             layer.lazy_initialization(key_states, value_states)
         slot_mapping = step.slot_mapping.to(layer.device)
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
-                          step.has_skipped_slots)
+                          step.has_skipped_slots, scales=layer.scales)
         if step.mode == PAGED:
+            if layer.scales is not None:  # the attention finds a quantised layer's scales by its payload
+                step.kv_scales[id(layer.keys)] = layer.scales
             return layer.keys, layer.values
-        return gather_dense(layer.keys, layer.values, step, key_states.dtype)
+        return gather_dense(layer.keys, layer.values, step, key_states.dtype, scales=layer.scales)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row `i` continues old row `beam_idx[i]`; repeated rows share blocks (CoW)."""
@@ -284,7 +322,7 @@ class PagedCache(Cache):
         if self.has_latent_kv:
             mode = DENSE
         if mode == PAGED and self.kv_dtype is not None:
-            dispatch.check_kv_cache_dtype(dtype, self.kv_dtype, device)
+            dispatch.check_kv_cache_dtype(dtype, self.kv_dtype, device, self.cache_config.kv_quant_scheme)
         seqs = self.seqs or [self._new_sequence() for _ in range(batch_size)]
         real_cols = real_columns(attention_mask, self._num_columns, [seq.num_tokens > 0 for seq in seqs], q_len)
         new_tokens = real_tokens(input_ids, real_cols)
@@ -378,14 +416,12 @@ class PagedCache(Cache):
         tensors, else from the config's K/V head shapes (`support.kv_head_shapes`)."""
         initialized = [layer for layer in self.layers if layer.is_initialized]
         if len(initialized) == len(self.layers):
-            per_layer = [(layer.keys[0].numel() + layer.values[0].numel()) * layer.keys.element_size()
-                         for layer in self.layers]
-            return sum(per_layer)
-        dtype = self.kv_dtype or dtype or torch.float32
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+            return sum(layer.bytes_per_block() for layer in self.layers)
+        itemsize = torch.empty(0, dtype=dtype or torch.float32).element_size()
         num_kv_heads, head_dim, head_dim_v = self._config_kv_shapes
-        per_layer = self.block_size * num_kv_heads * (head_dim + head_dim_v) * itemsize
-        return per_layer * len(self.layers)
+        per_token = kv_bytes_per_token_layer(num_kv_heads, head_dim, head_dim_v, self.cache_config.kv_dtype,
+                                             self.cache_config.kv_quant_scheme, itemsize)
+        return self.block_size * per_token * len(self.layers)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
@@ -400,9 +436,11 @@ class PagedCache(Cache):
         return KVSequence(seq_id=self._next_id(), extra_key=self.sequence_salt())
 
     def sequence_salt(self) -> tuple:
-        """What every block hash of a sequence starting now is salted with: the cache's `cache_salt`
-        and the current weights epoch. A sequence that stores nothing yet may be re-salted with it."""
-        return (self.cache_config.cache_salt, self.weights.epoch)
+        """What every block hash of a sequence starting now is salted with: the cache's `cache_salt`,
+        the current weights epoch and the KV storage (dtype and quantisation scheme). A sequence that
+        stores nothing yet may be re-salted with it."""
+        cfg = self.cache_config
+        return (cfg.cache_salt, self.weights.epoch, cfg.kv_cache_dtype, cfg.kv_quant_scheme, cfg.kv_quant_rotation)
 
     def _reindex(self, rows: list[int]) -> None:
         if self.seqs:
@@ -411,6 +449,31 @@ class PagedCache(Cache):
 
     def _next_id(self) -> int:
         return next(self._seq_ids)
+
+    def use_checkpoint_kv_scales(self, model: torch.nn.Module) -> int:
+        """Quantise each layer with its checkpoint's own static `k_scale` / `v_scale` (attention modules
+        of compressed-tensors FP8 checkpoints carry them), instead of dynamic scales. Only an fp8 cache
+        uses them, and only for layers not yet written. Returns how many layers took static scales."""
+        spec = self.cache_config.kv_dtype
+        if not spec.is_quantized or spec.name == "int8":
+            return 0
+        found = 0
+        for module in model.modules():
+            idx = getattr(module, "layer_idx", None)
+            k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
+            if not (isinstance(idx, int) and torch.is_tensor(k_scale) and torch.is_tensor(v_scale)):
+                continue
+            if not 0 <= idx < len(self.layers) or self.layers[idx].is_initialized:
+                continue
+            if k_scale.numel() != 1 or v_scale.numel() != 1:
+                raise ValueError(f"layer {idx}: expected per-tensor k_scale/v_scale, got shapes "
+                                 f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+            k, v = float(k_scale), float(v_scale)
+            if not (k > 0 and v > 0 and k != float("inf") and v != float("inf")):
+                raise ValueError(f"layer {idx}: checkpoint k_scale/v_scale must be positive and finite, got {k}, {v}")
+            self.layers[idx].quant = KVQuant.of(spec, self.cache_config.kv_quant_scheme, k, v)
+            found += 1
+        return found
 
     def note_weights(self, fingerprint) -> None:
         """Called before each step with `weights_fingerprint(model)`; see `WeightsEpoch.note`."""

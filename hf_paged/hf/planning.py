@@ -67,6 +67,8 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
         attention_mask = get("attention_mask")
         padding_known = attention_mask is None or (torch.is_tensor(attention_mask) and attention_mask.dim() == 2)
         mode = PAGED if model.config._attn_implementation == "hf_paged" and padding_known else DENSE
+        if not cache.seqs and cache.default_quant is not None:
+            cache.use_checkpoint_kv_scales(model)  # layers not yet written take a checkpoint's k/v scales
         if cache.cache_config.enable_prefix_caching and not cache.seqs:
             # New sequences are about to be hashed: make sure no prefix computed under other weights
             # can be hit. (Live sequences keep their salt, which new ones never share.)

@@ -219,7 +219,8 @@ def _engine_kwargs(model, batch_size: int, max_len: int) -> dict:
         num_blocks = batch_size * -(-max_len // cfg.block_size)
     return dict(
         max_num_seqs=batch_size, block_size=cfg.block_size, num_blocks=num_blocks, max_kv_bytes=cfg.max_kv_bytes,
-        kv_cache_dtype=cfg.kv_cache_dtype, enable_prefix_caching=cfg.enable_prefix_caching,
+        kv_cache_dtype=cfg.kv_cache_dtype, kv_quant_scheme=cfg.kv_quant_scheme, kv_quant_rotation=cfg.kv_quant_rotation,
+        enable_prefix_caching=cfg.enable_prefix_caching,
         cache_salt=cfg.cache_salt, max_model_len=max(max_len, 2),
     )
 

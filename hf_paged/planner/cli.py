@@ -28,7 +28,8 @@ def add_subcommands(subparsers) -> None:
     kv.add_argument("model", help=model_help)
     kv.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     kv.add_argument("--batch", type=int, default=1, help="number of sequences (default 1)")
-    kv.add_argument("--kv-dtype", default="bf16", help="fp32, fp16, bf16, fp8 or int8 (default bf16)")
+    kv.add_argument("--kv-dtype", default="bfloat16",
+                    help=f"KV cache dtype: {', '.join(sizing.DTYPE_NAMES)} (default bfloat16; fp8/int8 bytes include their scales)")
     kv.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads (what-if)")
     kv.add_argument("--compare", action="store_true", help="MHA vs GQA vs MQA (vs MLA) vs fp8, side by side")
     kv.add_argument("--plot", metavar="PNG", help="draw KV GB against context length per attention variant")
@@ -45,8 +46,10 @@ def add_subcommands(subparsers) -> None:
     roof.add_argument("--seq-len", type=int, default=1024, help="cached tokens per sequence (default 1024)")
     roof.add_argument("--batch", type=int, nargs="+", default=None,
                       help=f"batch sizes to tabulate (default {' '.join(map(str, sizing.DEFAULT_BATCH_SIZES))})")
-    roof.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
-    roof.add_argument("--kv-dtype", default="bf16", help="KV dtype (default bf16)")
+    roof.add_argument("--weight-dtype", default="bfloat16",
+                      help="weight dtype (default bfloat16)")
+    roof.add_argument("--kv-dtype", default="bfloat16",
+                      help="KV cache dtype (default bfloat16)")
     roof.add_argument("--plot", metavar="PNG", help="draw the roofline with the decode points marked")
     roof.add_argument("--json", action="store_true", help="print JSON instead of a table")
     roof.set_defaults(sizing_handler=run_roofline)
@@ -63,8 +66,10 @@ def add_subcommands(subparsers) -> None:
                     help="contiguous allocation length (default: the config's max_position_embeddings)")
     pl.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                     help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
-    pl.add_argument("--weight-dtype", default="bf16", help="weight dtype (default bf16)")
-    pl.add_argument("--kv-dtype", default="bf16", help="KV dtype (default bf16)")
+    pl.add_argument("--weight-dtype", default="bfloat16",
+                      help="weight dtype (default bfloat16)")
+    pl.add_argument("--kv-dtype", default="bfloat16",
+                      help="KV cache dtype (default bfloat16)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(sizing_handler=run_plan)
 
@@ -107,9 +112,11 @@ def run_kv_size(args) -> int:
         print(f"sliding-window layers keep at most {', '.join(f'{w:,}' for w in sorted(windows))} tokens")
     native = rows[0].total_bytes if not args.compare else sizing.kv_size(shape, args.seq_len, args.batch,
                                                                           args.kv_dtype).total_bytes
-    headers = ["variant", "kv heads", "dtype", "bytes/token", "per seq GB", "per seq GiB", "total GB",
-               "total GiB", "vs model"]
-    table = [[r.variant, r.num_kv_heads, r.kv_dtype, f"{r.bytes_per_token:,}", f"{r.bytes_per_seq / GB:,.3f}",
+    headers = ["variant", "kv heads", "dtype", "bytes/token", "payload", "scales", "per seq GB", "per seq GiB",
+               "total GB", "total GiB", "vs model"]
+    table = [[r.variant, r.num_kv_heads, r.kv_dtype, f"{r.bytes_per_token:,}",
+              f"{r.bytes_per_token - r.scale_bytes_per_token:,}", f"{r.scale_bytes_per_token:,}",
+              f"{r.bytes_per_seq / GB:,.3f}",
               f"{r.bytes_per_seq / GiB:,.3f}", f"{r.total_gb:,.1f}", f"{r.total_gib:,.1f}",
               f"{r.total_bytes / native:.3g}x" if native else "-"] for r in rows]
     print(_table(headers, table))
@@ -210,7 +217,7 @@ def _figure():
     return fig
 
 
-def plot_kv_vs_context(shape: sizing.ModelShape, path: str, *, kv_dtype: str = "bf16", batch_size: int = 1,
+def plot_kv_vs_context(shape: sizing.ModelShape, path: str, *, kv_dtype: str = "bfloat16", batch_size: int = 1,
                        seq_len: int | None = None, max_context: int | None = None) -> None:
     """PNG of KV GB against context length (log x) for each attention variant of `shape`."""
     top = max(max_context or 0, shape.max_position_embeddings or 0, seq_len or 0, 1024)

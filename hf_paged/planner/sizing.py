@@ -30,15 +30,15 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..config import KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_bytes_per_token_layer, kv_cache_dtype
+
 GB = 10**9
 GiB = 2**30
 
-# Bytes per element. int8 / fp8 ignore the (small) per-block scale tensors a real quantised cache keeps.
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
-_DTYPE_ALIASES = {
-    "float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
-    "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8",
-}
+# Dtype names are hf_paged's one KV dtype vocabulary (`config.KV_CACHE_DTYPES`, "auto" aside: the
+# planner has no model dtype to resolve it to), for weights and KV alike. A quantised KV cache's
+# bytes include its scales (`config.kv_bytes_per_token_layer`, the formula the cache itself uses).
+DTYPE_NAMES = tuple(n for n in KV_CACHE_DTYPE_NAMES if n != "auto")
 
 REFERENCE_CONFIG_DIR = Path(__file__).parent / "reference_configs"
 # Other spellings of the bundled names (compared lower-case, without an "org/" prefix).
@@ -49,13 +49,20 @@ _REFERENCE_ALIASES = {
 }
 
 
+def dtype_spec(name: str) -> KVCacheDtype:
+    """The vocabulary entry of a dtype name (float32, float16, bfloat16, fp8, fp8_e4m3, fp8_e5m2, int8).
+
+    Raises:
+        ValueError: not one of `DTYPE_NAMES`.
+    """
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_NAMES)}")
+    return kv_cache_dtype(name)
+
+
 def dtype_bytes(name: str) -> int:
-    """Bytes per element of a dtype name (fp32, fp16, bf16, fp8, int8, or a torch-style alias)."""
-    key = str(name).lower()
-    key = _DTYPE_ALIASES.get(key, key)
-    if key not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_BYTES)}")
-    return DTYPE_BYTES[key]
+    """Bytes per element of a dtype name (see `dtype_spec`)."""
+    return dtype_spec(name).itemsize
 
 
 def _check_positive(**values) -> None:
@@ -238,22 +245,33 @@ def _layer_windows(c: dict, num_layers: int) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------- KV size
-def kv_bytes_per_layer_token(shape: ModelShape, kv_dtype: str = "bf16") -> int:
+def kv_bytes_per_layer_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
     """Bytes one token takes in one layer: 2 * num_kv_heads * head_dim * bpe, or for MLA
     (kv_lora_rank + qk_rope_head_dim) * bpe."""
-    bpe = dtype_bytes(kv_dtype)
-    if shape.is_mla:
-        return (shape.kv_lora_rank + shape.qk_rope_head_dim) * bpe
-    return shape.num_kv_heads * (shape.head_dim + shape.v_head_dim) * bpe
+    spec = dtype_spec(kv_dtype)
+    if shape.is_mla:  # one latent "head" and one rope "head", each with its own scale when quantised
+        return kv_bytes_per_token_layer(1, shape.kv_lora_rank, shape.qk_rope_head_dim, spec)
+    return kv_bytes_per_token_layer(shape.num_kv_heads, shape.head_dim, shape.v_head_dim, spec)
 
 
-def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bf16") -> int:
+def kv_scale_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
+    """Of `kv_bytes_per_token`, the bytes of a quantised cache's scales (0 unquantised)."""
+    spec = dtype_spec(kv_dtype)
+    if not spec.is_quantized:
+        return 0
+    payload = kv_bytes_per_layer_token(shape, "int8")  # one byte per element, plus the scales
+    elements = (shape.kv_lora_rank + shape.qk_rope_head_dim if shape.is_mla
+                else shape.num_kv_heads * (shape.head_dim + shape.v_head_dim))
+    return shape.num_layers * (payload - elements)
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
     """Bytes one token takes across all layers, before any sliding-window cap:
     2 * num_layers * num_kv_heads * head_dim * bytes_per_element (MLA: see the module docstring)."""
     return shape.num_layers * kv_bytes_per_layer_token(shape, kv_dtype)
 
 
-def kv_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bf16") -> int:
+def kv_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> int:
     """Bytes the KV cache of `batch_size` sequences of `seq_len` tokens holds; a sliding-window layer
     stores min(seq_len, window) tokens."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
@@ -274,9 +292,10 @@ class KVSize:
     kv_dtype: str
     seq_len: int
     batch_size: int
-    bytes_per_token: int
+    bytes_per_token: int  # payload plus, for a quantised cache, its scales
     bytes_per_seq: int
     total_bytes: int
+    scale_bytes_per_token: int = 0  # of bytes_per_token
 
     @property
     def total_gb(self) -> float:
@@ -291,18 +310,19 @@ class KVSize:
                 "bytes_per_seq_gib": self.bytes_per_seq / GiB, "total_gb": self.total_gb, "total_gib": self.total_gib}
 
 
-def kv_size(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bf16",
+def kv_size(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16",
             variant: str | None = None) -> KVSize:
     """Per-token, per-sequence and total KV bytes of `batch_size` sequences of `seq_len` tokens."""
     _check_positive(batch=batch_size)
     per_seq = kv_bytes(shape, seq_len, 1, kv_dtype)
     return KVSize(variant=variant or shape.attention_kind, num_kv_heads=1 if shape.is_mla else shape.num_kv_heads,
-                  kv_dtype=_DTYPE_ALIASES.get(kv_dtype.lower(), kv_dtype.lower()), seq_len=seq_len,
+                  kv_dtype=dtype_spec(kv_dtype).name, seq_len=seq_len,
                   batch_size=batch_size, bytes_per_token=kv_bytes_per_token(shape, kv_dtype),
-                  bytes_per_seq=per_seq, total_bytes=per_seq * batch_size)
+                  bytes_per_seq=per_seq, total_bytes=per_seq * batch_size,
+                  scale_bytes_per_token=kv_scale_bytes_per_token(shape, kv_dtype))
 
 
-def attention_variants(shape: ModelShape, kv_dtype: str = "bf16") -> list[tuple[str, ModelShape, str]]:
+def attention_variants(shape: ModelShape, kv_dtype: str = "bfloat16") -> list[tuple[str, ModelShape, str]]:
     """(label, shape, kv_dtype) for the side-by-side comparison: MHA, GQA, MQA, the model's MLA if it
     has one, and the model's own attention quantised to fp8 (int8 has the same size)."""
     heads = shape.num_attention_heads
@@ -313,12 +333,12 @@ def attention_variants(shape: ModelShape, kv_dtype: str = "bf16") -> list[tuple[
     rows.append(("MQA", shape.with_kv_heads(1), kv_dtype))
     if shape.is_mla:
         rows.append(("MLA", shape, kv_dtype))
-    if dtype_bytes(kv_dtype) > 1:
-        rows.append((f"{shape.attention_kind} fp8", shape, "fp8"))
+    if not dtype_spec(kv_dtype).is_quantized:
+        rows.append((f"{shape.attention_kind} fp8", shape, "fp8_e4m3"))
     return rows
 
 
-def compare_kv(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bf16") -> list[KVSize]:
+def compare_kv(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> list[KVSize]:
     """`kv_size` for every entry of `attention_variants`."""
     return [kv_size(s, seq_len, batch_size, dt, variant=label) for label, s, dt in attention_variants(shape, kv_dtype)]
 
@@ -372,12 +392,12 @@ def get_gpu(name: str | None = None, tflops: float | None = None, bandwidth_tbs:
     return gpu
 
 
-def weight_bytes(shape: ModelShape, weight_dtype: str = "bf16") -> int:
+def weight_bytes(shape: ModelShape, weight_dtype: str = "bfloat16") -> int:
     """Bytes of all stored parameters."""
     return shape.num_params * dtype_bytes(weight_dtype)
 
 
-def weight_bytes_read(shape: ModelShape, batch_size: int, weight_dtype: str = "bf16") -> float:
+def weight_bytes_read(shape: ModelShape, batch_size: int, weight_dtype: str = "bfloat16") -> float:
     """Weight bytes one decode step reads: the dense matmul weights, plus for MoE the experts the
     batch touches (expected distinct experts under uniform routing: E * (1 - (1 - k/E)^B))."""
     params = shape.num_dense_matmul_params
@@ -410,8 +430,8 @@ class DecodePoint:
     tokens_per_s: float  # upper bound, whole batch
 
 
-def decode_point(shape: ModelShape, gpu: GPU, batch_size: int, seq_len: int, weight_dtype: str = "bf16",
-                 kv_dtype: str = "bf16") -> DecodePoint:
+def decode_point(shape: ModelShape, gpu: GPU, batch_size: int, seq_len: int, weight_dtype: str = "bfloat16",
+                 kv_dtype: str = "bfloat16") -> DecodePoint:
     """Roofline numbers of one decode step of `batch_size` sequences with `seq_len` cached tokens each."""
     _check_positive(batch=batch_size)
     flops = batch_size * (2 * shape.num_active_params + attention_flops_per_token(shape, seq_len))
@@ -442,7 +462,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def roofline(shape: ModelShape, gpu: GPU, *, seq_len: int = 1024, batch_sizes=DEFAULT_BATCH_SIZES,
-             weight_dtype: str = "bf16", kv_dtype: str = "bf16", max_batch: int = 1 << 24) -> Roofline:
+             weight_dtype: str = "bfloat16", kv_dtype: str = "bfloat16", max_batch: int = 1 << 24) -> Roofline:
     """Decode roofline of `shape` on `gpu` at context `seq_len`.
 
     The compute-bound batch is the smallest B with intensity(B) >= ridge. For a dense model
@@ -501,8 +521,8 @@ class Plan:
 
 
 def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: float = 0.9, seq_len: int,
-         block_size: int = 16, max_seq_len: int | None = None, weight_dtype: str = "bf16",
-         kv_dtype: str = "bf16", kv_budget_bytes: int | None = None) -> Plan:
+         block_size: int = 16, max_seq_len: int | None = None, weight_dtype: str = "bfloat16",
+         kv_dtype: str = "bfloat16", kv_budget_bytes: int | None = None) -> Plan:
     """How many KV blocks and sequences fit.
 
         kv_budget   = floor(memory_bytes * utilization) - weight_bytes     (or `kv_budget_bytes`)

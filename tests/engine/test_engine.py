@@ -228,8 +228,10 @@ def test_engine_config_errors():
         Engine(model, max_num_batched_tokens=-1)
     with pytest.raises(ValueError, match="block_size"):
         Engine(model, block_size=0)
-    with pytest.raises(ValueError, match="fp8"):
-        Engine(model, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp4'"):
+        Engine(model, kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="kv_quant_scheme"):
+        Engine(model, kv_cache_dtype="fp8", kv_quant_scheme="static")
     engine = Engine(model)
     engine.add_request([5, 6], request_id="a")
     with pytest.raises(ValueError, match="already in use"):

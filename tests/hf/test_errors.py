@@ -23,7 +23,11 @@ from tiny_models import with_cache, left_padded_batch, tiny_model
         (dict(max_kv_bytes=0), "max_kv_bytes must be a positive integer"),
         (dict(num_blocks=8, max_kv_bytes=1 << 20), "either num_blocks"),
         (dict(kv_cache_dtype="float12"), "unknown kv_cache_dtype 'float12'"),
-        (dict(kv_cache_dtype="fp8"), "quantized KV"),
+        (dict(kv_cache_dtype="fp8 "), "unknown kv_cache_dtype 'fp8 '; expected one of auto, float32"),
+        (dict(kv_cache_dtype="float8_e4m3fn"), "unknown kv_cache_dtype"),
+        (dict(kv_quant_scheme="per_block"), "unknown kv_quant_scheme 'per_block'"),
+        (dict(kv_cache_dtype="fp8", kv_quant_scheme="asymmetric"), "'asymmetric' is for kv_cache_dtype='int8'"),
+        (dict(kv_cache_dtype="int8", kv_quant_scheme="unit"), "'unit' .* is for fp8 caches"),
     ],
 )
 def test_bad_config_values(kwargs, match):

@@ -154,5 +154,5 @@ def test_bytes_per_block_agrees_with_the_planner_on_deepseek_v3():
     config = AutoConfig.for_model(**sizing.load_config("deepseek-v3"))
     cache = PagedCache(config, block_size=16)
     result = sizing.plan(sizing.ModelShape.from_config(config), kv_budget_bytes=10**9, seq_len=100, block_size=16,
-                         kv_dtype="bf16")
+                         kv_dtype="bfloat16")
     assert cache.bytes_per_block(torch.bfloat16) == result.bytes_per_block == 61 * 16 * (512 + 64) * 2

@@ -65,55 +65,71 @@ def test_parameter_count_matches_transformers_model():
 # ------------------------------------------------------------------------------------------ kv-size
 def test_acceptance_70b_kv_sizes(llama70b):
     mha = llama70b.with_kv_heads(64)
-    assert sizing.kv_bytes_per_token(mha, "fp16") == 2_621_440
-    assert sizing.kv_bytes(mha, 64_000, 16, "fp16") / GB == pytest.approx(2684.35, abs=0.01)
-    assert sizing.kv_bytes_per_token(llama70b, "fp16") == 327_680
-    assert sizing.kv_bytes(llama70b, 64_000, 16, "fp16") / GB == pytest.approx(335.54, abs=0.01)
-    assert sizing.kv_bytes_per_token(llama70b, "fp8") == 163_840
-    assert sizing.kv_bytes(llama70b, 64_000, 16, "fp8") / GB == pytest.approx(167.77, abs=0.01)
+    assert sizing.kv_bytes_per_token(mha, "float16") == 2_621_440
+    assert sizing.kv_bytes(mha, 64_000, 16, "float16") / GB == pytest.approx(2684.35, abs=0.01)
+    assert sizing.kv_bytes_per_token(llama70b, "float16") == 327_680
+    assert sizing.kv_bytes(llama70b, 64_000, 16, "float16") / GB == pytest.approx(335.54, abs=0.01)
+    # the seed's 163,840 bytes/token of FP8 payload, plus one float32 scale per token, KV head and K/V
+    scales = 80 * 8 * 2 * 4
+    assert sizing.kv_bytes_per_token(llama70b, "fp8") == 163_840 + scales
+    assert sizing.kv_scale_bytes_per_token(llama70b, "fp8") == scales == 5_120
+    assert sizing.kv_bytes_per_token(llama70b, "int8") == sizing.kv_bytes_per_token(llama70b, "fp8_e5m2") == 168_960
+    assert sizing.kv_scale_bytes_per_token(llama70b, "bfloat16") == 0
+    assert sizing.kv_bytes(llama70b, 64_000, 16, "fp8") / GB == pytest.approx(173.02, abs=0.01)
+
+
+def test_dtype_names_are_the_kv_vocabulary():
+    from hf_paged.config import KV_CACHE_DTYPE_NAMES
+    assert set(sizing.DTYPE_NAMES) == set(KV_CACHE_DTYPE_NAMES) - {"auto"}
+    for old in ("bf16", "fp16", "fp32", "auto", "float8_e4m3fn"):
+        with pytest.raises(ValueError, match="unknown dtype"):
+            sizing.dtype_bytes(old)
+    assert sizing.dtype_spec("fp8").name == "fp8_e4m3"
 
 
 def test_mla_caches_one_latent_plus_rope_key_per_layer():
     shape = ModelShape.from_config("deepseek-v3")
     assert shape.is_mla
-    assert sizing.kv_bytes_per_token(shape, "bf16") == 61 * (512 + 64) * 2  # not x2 for K and V
+    assert sizing.kv_bytes_per_token(shape, "bfloat16") == 61 * (512 + 64) * 2  # not x2 for K and V
 
 
 def test_sliding_window_caps_tokens():
     shape = ModelShape.from_config("mistral-7b")
-    per_token = sizing.kv_bytes_per_token(shape, "bf16")
-    assert sizing.kv_bytes(shape, 1000, 1, "bf16") == 1000 * per_token
-    assert sizing.kv_bytes(shape, 32_768, 1, "bf16") == 4096 * per_token
+    per_token = sizing.kv_bytes_per_token(shape, "bfloat16")
+    assert sizing.kv_bytes(shape, 1000, 1, "bfloat16") == 1000 * per_token
+    assert sizing.kv_bytes(shape, 32_768, 1, "bfloat16") == 4096 * per_token
     # Qwen2.5 declares a window but does not use it
     qwen = ModelShape.from_config("qwen2.5-7b")
-    assert sizing.kv_bytes(qwen, 32_768, 1, "bf16") == 32_768 * sizing.kv_bytes_per_token(qwen, "bf16")
+    assert sizing.kv_bytes(qwen, 32_768, 1, "bfloat16") == 32_768 * sizing.kv_bytes_per_token(qwen, "bfloat16")
 
 
 def test_layer_types_mix_full_and_sliding():
     config = {**sizing.load_config("llama-3-8b"), "sliding_window": 100,
               "layer_types": ["sliding_attention", "full_attention"] * 16}
     shape = ModelShape.from_config(config)
-    per_layer = sizing.kv_bytes_per_layer_token(shape, "bf16")
-    assert sizing.kv_bytes(shape, 1000, 1, "bf16") == 16 * (100 + 1000) * per_layer
+    per_layer = sizing.kv_bytes_per_layer_token(shape, "bfloat16")
+    assert sizing.kv_bytes(shape, 1000, 1, "bfloat16") == 16 * (100 + 1000) * per_layer
 
 
 def test_kv_size_cli_acceptance_table_and_json(capsys):
     rc, out, err = run_cli(capsys, "kv-size", "llama-3-70b", "--seq-len", "64000", "--batch", "16",
-                           "--kv-dtype", "fp16", "--compare")
+                           "--kv-dtype", "float16", "--compare")
     assert rc == 0 and not err
     cells = [line.split() for line in out.splitlines()[3:]]
     rows = {(c[0] if c[1].isdigit() else f"{c[0]} {c[1]}"): c for c in cells}  # "GQA-8 fp8" has two words
-    assert rows["MHA"][-6] == "2,621,440" and rows["MHA"][-3] == "2,684.4"
-    assert rows["GQA-8"][-6] == "327,680" and rows["GQA-8"][-3] == "335.5"
-    assert rows["GQA-8 fp8"][-6] == "163,840" and rows["GQA-8 fp8"][-3] == "167.8"
+    # columns from the right: ..., bytes/token, payload, scales, per seq GB, per seq GiB, total GB, total GiB, vs
+    assert rows["MHA"][-8:-5] == ["2,621,440", "2,621,440", "0"] and rows["MHA"][-3] == "2,684.4"
+    assert rows["GQA-8"][-8:-5] == ["327,680", "327,680", "0"] and rows["GQA-8"][-3] == "335.5"
+    assert rows["GQA-8 fp8"][-8:-5] == ["168,960", "163,840", "5,120"] and rows["GQA-8 fp8"][-3] == "173.0"
 
     rc, out, _ = run_cli(capsys, "kv-size", "llama-3-70b", "--seq-len", "64000", "--batch", "16",
                          "--kv-dtype", "fp8", "--json")
     (row,) = json.loads(out)["rows"]
-    assert rc == 0 and row["bytes_per_token"] == 163_840 and row["total_gb"] == pytest.approx(167.77216)
-    assert row["total_gib"] == pytest.approx(167.77216e9 / 2**30)
+    assert rc == 0 and row["bytes_per_token"] == 168_960 and row["scale_bytes_per_token"] == 5_120
+    assert row["kv_dtype"] == "fp8_e4m3" and row["total_gb"] == pytest.approx(168_960 * 64_000 * 16 / 1e9)
+    assert row["total_gib"] == pytest.approx(168_960 * 64_000 * 16 / 2**30)
 
-    rc, out, _ = run_cli(capsys, "kv-size", "llama-3-70b", "--kv-heads", "64", "--kv-dtype", "fp16", "--json")
+    rc, out, _ = run_cli(capsys, "kv-size", "llama-3-70b", "--kv-heads", "64", "--kv-dtype", "float16", "--json")
     assert json.loads(out)["rows"][0]["bytes_per_token"] == 2_621_440
 
 
@@ -121,14 +137,14 @@ def test_kv_size_cli_acceptance_table_and_json(capsys):
 def test_acceptance_roofline(llama70b):
     gpu = sizing.get_gpu("h100-sxm")
     assert gpu.ridge_point == pytest.approx(295.2, abs=0.1)
-    report = sizing.roofline(llama70b, gpu, seq_len=1, batch_sizes=[1, 2], weight_dtype="fp16", kv_dtype="fp16")
+    report = sizing.roofline(llama70b, gpu, seq_len=1, batch_sizes=[1, 2], weight_dtype="float16", kv_dtype="float16")
     assert report.points[0].intensity == pytest.approx(1.0, abs=0.01)
     assert report.points[1].intensity == pytest.approx(2.0, abs=0.02)
     # bandwidth bound: 2 bytes per matmul parameter over 3.35 TB/s
     assert report.min_time_per_token_s == pytest.approx(2 * 69.5e9 / 3.35e12, rel=0.01)
     b = report.compute_bound_batch
-    assert sizing.decode_point(llama70b, gpu, b, 1, "fp16", "fp16").is_compute_bound
-    assert not sizing.decode_point(llama70b, gpu, b - 1, 1, "fp16", "fp16").is_compute_bound
+    assert sizing.decode_point(llama70b, gpu, b, 1, "float16", "float16").is_compute_bound
+    assert not sizing.decode_point(llama70b, gpu, b - 1, 1, "float16", "float16").is_compute_bound
 
 
 def test_long_context_decode_never_turns_compute_bound(llama70b):
@@ -146,11 +162,11 @@ def test_gpu_presets_and_custom():
 
 
 def test_roofline_cli(capsys):
-    rc, out, err = run_cli(capsys, "roofline", "llama-3-70b", "--gpu", "h100-sxm", "--weight-dtype", "fp16",
-                           "--kv-dtype", "fp16", "--seq-len", "1", "--batch", "1", "8")
+    rc, out, err = run_cli(capsys, "roofline", "llama-3-70b", "--gpu", "h100-sxm", "--weight-dtype", "float16",
+                           "--kv-dtype", "float16", "--seq-len", "1", "--batch", "1", "8")
     assert rc == 0 and not err
     assert "ridge point: 295.2 FLOPs/byte" in out
-    rc, out, _ = run_cli(capsys, "roofline", "llama-3-70b", "--weight-dtype", "fp16", "--seq-len", "1", "--json")
+    rc, out, _ = run_cli(capsys, "roofline", "llama-3-70b", "--weight-dtype", "float16", "--seq-len", "1", "--json")
     report = json.loads(out)
     assert report["ridge_point"] == pytest.approx(295.22, abs=0.01)
     assert report["points"][0]["batch_size"] == 1 and report["points"][0]["intensity"] == pytest.approx(1.0, abs=0.01)
@@ -191,7 +207,7 @@ def _fits(config, budget, block_size, num_seqs, seq_len):
 def test_plan_agrees_with_paged_cache(budget, seq_len):
     config, block_size = _smollm2_config(), 16
     result = sizing.plan(ModelShape.from_config(config), kv_budget_bytes=budget, seq_len=seq_len,
-                         block_size=block_size, kv_dtype="fp32")
+                         block_size=block_size, kv_dtype="float32")
     cache = PagedCache(config, block_size=block_size, max_kv_bytes=budget)
     assert cache.bytes_per_block(torch.float32) == result.bytes_per_block
     steps = _fill_one_sequence(cache, block_size)
@@ -207,7 +223,7 @@ def test_plan_memory_and_contiguous_waste():
     result = sizing.plan(shape, memory_bytes=80 * GB, utilization=0.9, seq_len=2048, max_seq_len=8192)
     assert result.weight_bytes == shape.num_params * 2
     assert result.kv_budget_bytes == int(72 * GB) - result.weight_bytes
-    per_token = sizing.kv_bytes_per_token(shape, "bf16")
+    per_token = sizing.kv_bytes_per_token(shape, "bfloat16")
     assert result.num_blocks == result.kv_budget_bytes // (16 * per_token)
     assert result.num_seqs_contiguous == result.kv_budget_bytes // (8192 * per_token)
     assert result.num_seqs_paged == result.num_blocks // 128
@@ -218,7 +234,7 @@ def test_plan_memory_and_contiguous_waste():
 
 def test_plan_cli(capsys):
     rc, out, err = run_cli(capsys, "plan", "smollm2-135m", "--kv-budget", "50000000", "--seq-len", "100",
-                           "--kv-dtype", "fp32", "--json")
+                           "--kv-dtype", "float32", "--json")
     assert rc == 0 and not err
     got = json.loads(out)
     assert got["num_blocks"] == 50_000_000 // (16 * 46_080) and got["num_seqs_paged"] == got["num_blocks"] // 7

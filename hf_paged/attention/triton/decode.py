@@ -20,6 +20,12 @@ Scores live in the log2 domain (`s * log2(e)`) so the softmax uses `exp2`; the l
 partial buffers are log2 too. K/V tiles are cast to the query's dtype as they are loaded (a 16-bit
 cache under an fp32 query), and V may be narrower or wider than Q/K (`head_dim_v`, BLOCK_DV): the
 accumulator, the partials and the output have V's width.
+
+A quantised cache (IS_QUANTIZED: one-byte int8 / fp8 payloads with float32 scales per token and KV
+head, or per token) is dequantised in registers: each K/V tile is loaded with its BLOCK_N scales
+through the same block-table lookup and becomes `payload.to(fp32) * scale`, rounded once to the
+query's dtype (what `kv_quant.dequantize` computes), before the dots. No dequantised copy of the
+cache is ever written.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_attention_inputs
+from .checks import check_attention_inputs, kv_scale_args
 
 LOG2E = 1.4426950408889634
 # Cap on query tokens x group heads per program (the M of tl.dot), by padded head_dim (the wider of
@@ -68,6 +74,8 @@ def _paged_decode_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
+    key_scales_ptr,  # [num_blocks, block_size, G, 1] fp32, G = num_kv_heads or 1, read only if IS_QUANTIZED
+    value_scales_ptr,  # [num_blocks, block_size, G, 1] fp32, read only if IS_QUANTIZED
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -78,6 +86,8 @@ def _paged_decode_kernel(
     stride_q_token, stride_q_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_ks_block, stride_ks_slot, stride_ks_group,  # stride_ks_group 0 when G == 1
+    stride_vs_block, stride_vs_slot, stride_vs_group,
     stride_bt_seq,
     stride_out_token, stride_out_head,
     stride_sinks,
@@ -100,6 +110,7 @@ def _paged_decode_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    IS_QUANTIZED: tl.constexpr,  # one-byte K/V payloads, dequantised with their scales on load
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no silent TF32), None (the default) otherwise
 ):
     seq = tl.program_id(0) // num_q_tiles
@@ -141,6 +152,8 @@ def _paged_decode_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kc_head = key_cache_ptr + kv_head.to(tl.int64) * stride_kc_head
     vc_head = value_cache_ptr + kv_head.to(tl.int64) * stride_vc_head
+    ks_group = key_scales_ptr + kv_head.to(tl.int64) * stride_ks_group
+    vs_group = value_scales_ptr + kv_head.to(tl.int64) * stride_vs_group
 
     for start in range(split_lo, split_hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -148,15 +161,24 @@ def _paged_decode_kernel(
         # Table entries past the sequence may be garbage: they are masked, never dereferenced.
         block = tl.load(block_table + k_pos // BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
         slot = k_pos % BLOCK_SIZE
-        # Cast to the query's dtype on load: a 16-bit cache under an fp32 query is upcast exactly.
         k = tl.load(
             kc_head + block[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot + dims[None, :],
             mask=k_valid[:, None] & dim_valid[None, :], other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+        )  # [BLOCK_N, BLOCK_D]
         v = tl.load(
             vc_head + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot + dims_v[None, :],
             mask=k_valid[:, None] & dim_v_valid[None, :], other=0.0,
-        ).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+        )  # [BLOCK_N, BLOCK_DV]
+        if IS_QUANTIZED:
+            # Dequantise in fp32, then round once to the query's dtype (as kv_quant.dequantize).
+            # Masked keys get scale 0 and payload 0, so they stay exact zeros.
+            k_scale = tl.load(ks_group + block * stride_ks_block + slot * stride_ks_slot, mask=k_valid, other=0.0)
+            v_scale = tl.load(vs_group + block * stride_vs_block + slot * stride_vs_slot, mask=k_valid, other=0.0)
+            k = k.to(tl.float32) * k_scale[:, None]
+            v = v.to(tl.float32) * v_scale[:, None]
+        # Cast to the query's dtype on load: a 16-bit cache under an fp32 query is upcast exactly.
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
@@ -302,6 +324,7 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
     num_splits: int | None = None,
+    scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's few new queries over its paged K/V, split along the keys.
 
@@ -316,7 +339,7 @@ def paged_decode(
         query: `[num_tokens, num_q_heads, head_dim]` fp16/bf16/fp32, last dim contiguous.
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` and
             `[..., head_dim_v]` (V's width may differ), in the query's dtype, or fp16/bf16 under an
-            fp32 query (upcast on load).
+            fp32 query (upcast on load), or one-byte int8 / fp8 payloads with `scales`.
         block_tables: `[num_seqs, max_blocks_per_seq]` int32; entries past a sequence's length are
             never read, so they may hold anything.
         seq_lens: `[num_seqs]` int32. cu_seqlens_q: `[num_seqs + 1]` int32.
@@ -324,12 +347,15 @@ def paged_decode(
         scale: softmax scale. sliding_window: window `w >= 1` or None. softcap: `> 0` or None.
         sinks: `[num_q_heads]` sink logits (any float dtype) or None.
         num_splits: splits of the key axis; None picks `default_num_splits`.
+        scales: a quantised cache's `kv_quant.KVScales` (`.key` / `.value` `[num_blocks, block_size, G, 1]`
+            float32, G = num_kv_heads or 1); K/V are dequantised in registers as they are read. The
+            "asymmetric" scheme is refused.
 
     Returns:
         `[num_tokens, num_q_heads, head_dim_v]` in query's dtype.
     """
     shapes = check_attention_inputs("paged_decode", query, key_cache, value_cache, block_tables, seq_lens,
-                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks)
+                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
     if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
         raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
@@ -364,13 +390,15 @@ def paged_decode(
         partial_lse = torch.empty(num_splits, num_tokens, num_q_heads, device=query.device, dtype=torch.float32)
     sinks_arg = sinks if sinks is not None else out  # unused without HAS_SINKS
     stride_sinks = sinks.stride(0) if sinks is not None else 0
+    key_scales, value_scales, scale_strides = kv_scale_args(scales, num_kv_heads, out)
 
     _paged_decode_kernel[(num_seqs * num_q_tiles, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, sinks_arg,
+        query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, cu_seqlens_q, sinks_arg,
         out, partial_out, partial_lse,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         stride_sinks,
@@ -393,6 +421,7 @@ def paged_decode(
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         HAS_SINKS=sinks is not None,
+        IS_QUANTIZED=scales is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -31,6 +31,10 @@ Work split (one program = one query tile x one KV head):
 * K/V tiles are cast to the query's dtype as they are loaded (a 16-bit cache under an fp32 query).
   V may be narrower or wider than Q/K (`head_dim_v`, BLOCK_DV): the accumulator and the output
   have V's width.
+* A quantised cache (IS_QUANTIZED: one-byte int8 / fp8 payloads, float32 scales per token and KV
+  head or per token) is dequantised in registers: a tile's BLOCK_N scales come through the same
+  block-table lookup, and the tile becomes `payload.to(fp32) * scale`, rounded once to the query's
+  dtype (as `kv_quant.dequantize`), before the dots. No dequantised copy of the cache is written.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_attention_inputs
+from .checks import check_attention_inputs, kv_scale_args
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
 
@@ -77,6 +81,8 @@ def _flash_prefill_kernel(
     query_ptr,  # [num_tokens, num_q_heads, head_dim]
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
+    key_scales_ptr,  # [num_blocks, block_size, G, 1] fp32, G = num_kv_heads or 1 (read only if IS_QUANTIZED)
+    value_scales_ptr,  # [num_blocks, block_size, G, 1] fp32 (read only if IS_QUANTIZED)
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32
     cu_seqlens_q_ptr,  # [num_seqs + 1] int32
@@ -93,6 +99,8 @@ def _flash_prefill_kernel(
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
+    stride_ksb, stride_kss, stride_ksg,  # key scales; stride_ksg 0 when G == 1
+    stride_vsb, stride_vss, stride_vsg,
     stride_bt,
     stride_sink,
     GROUP: tl.constexpr,  # num_q_heads // num_kv_heads
@@ -104,6 +112,7 @@ def _flash_prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    IS_QUANTIZED: tl.constexpr,  # one-byte K/V payloads, dequantised with their scales on load
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 (tf32 would miss the fp32 tolerance), else None
 ):
     tile_idx = tl.program_id(0)
@@ -162,9 +171,16 @@ def _flash_prefill_kernel(
         k_off = block * stride_kb + in_block * stride_ks + kv_head * stride_kh  # [BLOCK_N]
         v_off = block * stride_vb + in_block * stride_vs + kv_head * stride_vh  # [BLOCK_N]
 
-        # Cast to the query's dtype on load: a 16-bit cache under an fp32 query is upcast exactly.
         k_t = tl.load(key_cache_ptr + k_off[None, :] + offs_d[:, None],
-                      mask=d_valid[:, None] & k_valid[None, :], other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+                      mask=d_valid[:, None] & k_valid[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if IS_QUANTIZED:
+            # Dequantise in fp32, then round once to the query's dtype (as kv_quant.dequantize); masked
+            # keys get payload 0 and scale 0, so they stay exact zeros.
+            k_scale = tl.load(key_scales_ptr + block * stride_ksb + in_block * stride_kss + kv_head * stride_ksg,
+                              mask=k_valid, other=0.0)  # [BLOCK_N]
+            k_t = k_t.to(tl.float32) * k_scale[None, :]
+        # Cast to the query's dtype on load: a 16-bit cache under an fp32 query is upcast exactly.
+        k_t = k_t.to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
         if HAS_SOFTCAP:
             s = softcap * _tanh(s * (scale / softcap)) * LOG2E
@@ -183,7 +199,12 @@ def _flash_prefill_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
 
         v = tl.load(value_cache_ptr + v_off[:, None] + offs_dv[None, :],
-                    mask=k_valid[:, None] & dv_valid[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_DV]
+                    mask=k_valid[:, None] & dv_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_DV]
+        if IS_QUANTIZED:
+            v_scale = tl.load(value_scales_ptr + block * stride_vsb + in_block * stride_vss + kv_head * stride_vsg,
+                              mask=k_valid, other=0.0)  # [BLOCK_N]
+            v = v.to(tl.float32) * v_scale[:, None]
+        v = v.to(q.dtype)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -225,6 +246,7 @@ def flash_prefill(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
+    scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Varlen causal flash attention over the paged KV cache; see `reference.paged_attention`.
 
@@ -232,7 +254,8 @@ def flash_prefill(
         query: packed queries of all sequences; `cu_seqlens_q[-1]` must equal `num_tokens` (not
             checked: that needs a device sync; rows past `num_tokens` are dropped, never written).
         key_cache, value_cache: the paged cache, already holding this step's K/V; V's head width
-            may differ from K's. The query's dtype, or fp16/bf16 under an fp32 query (upcast on load).
+            may differ from K's. The query's dtype, or fp16/bf16 under an fp32 query (upcast on load), or
+            one-byte int8 / fp8 payloads with `scales`.
         block_tables: physical block of each logical block; slots past a sequence's length are
             never read, so they may hold anything.
         seq_lens: cache length of each sequence including this step's tokens (`>= q_len`).
@@ -243,12 +266,15 @@ def flash_prefill(
         sliding_window: `w >= 1`; a query at `pos` sees keys `pos - w < p <= pos`.
         softcap: `c > 0`; scores become `c * tanh(s / c)` before masking.
         sinks: per-query-head logit added to the softmax denominator only.
+        scales: a quantised cache's `kv_quant.KVScales` (`.key` / `.value` `[num_blocks, block_size, G, 1]`
+            float32, G = num_kv_heads or 1); K/V are dequantised in registers as they are read. The
+            "asymmetric" scheme is refused.
 
     Returns:
         `[num_tokens, num_q_heads, head_dim_v]` in `query`'s dtype.
     """
     shapes = check_attention_inputs("flash_prefill", query, key_cache, value_cache, block_tables, seq_lens,
-                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks)
+                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
@@ -261,8 +287,9 @@ def flash_prefill(
     block_q, block_m, block_n, _, num_warps = _pick_tiles(max(head_dim, head_dim_v), group, max_seqlen_q)
     block_d, block_dv = _padded_dim(head_dim), _padded_dim(head_dim_v)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    key_scales, value_scales, scale_strides = kv_scale_args(scales, num_kv_heads, out)
     _flash_prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+        out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, cu_seqlens_q,
         sinks if sinks is not None else out,  # dummy pointer, never read
         num_seqs, num_tokens, float(scale), float(softcap) if softcap is not None else 1.0,
         int(sliding_window) if sliding_window is not None else 0,
@@ -271,10 +298,12 @@ def flash_prefill(
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         sinks.stride(0) if sinks is not None else 0,
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        IS_QUANTIZED=scales is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         num_warps=num_warps,
     )
