@@ -53,11 +53,14 @@ def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torc
     under fp32 queries, and int8/fp8 payloads with symmetric scales (`quant_scheme` not "asymmetric")."""
     if backend(device) != "triton":
         return
-    from .triton.checks import can_read_kv_dtype
+    from .triton.checks import can_read_kv_dtype, has_fp8e4nv
 
     if quant_scheme == "asymmetric":
         raise ValueError("kv_quant_scheme='asymmetric' is implemented on the torch path only; the Triton kernels "
                          "read symmetric scales ('dynamic', 'dynamic_token', 'unit'); or set HF_PAGED_BACKEND=torch")
+    if kv_dtype == torch.float8_e4m3fn and not has_fp8e4nv(device):
+        raise ValueError("kv_cache_dtype='fp8_e4m3' ('fp8') needs an NVIDIA GPU of compute capability 8.9+ (Ada, "
+                         "Hopper) in Triton; use kv_cache_dtype='fp8_e5m2' or 'int8' here, or HF_PAGED_BACKEND=torch")
     if not can_read_kv_dtype(dtype, kv_dtype):
         name = str(kv_dtype).removeprefix("torch.")
         raise ValueError(

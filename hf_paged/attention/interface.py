@@ -88,6 +88,12 @@ def paged_attention_forward(
         if kwargs.get("output_attentions"):
             raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")
         meta = paged_metadata
+        scales = meta.kv_scales.get(id(key))
+        if scales is None and key.element_size() == 1:
+            raise ValueError(
+                f"hf_paged: the attention got {key.dtype} (quantised) blocks whose scales this step never registered; "
+                "pass the key/value tensors PagedCache.update returned to the attention unchanged"
+            )
         out = dispatch.paged_attention(
             meta.pack(query),
             key,
@@ -102,7 +108,7 @@ def paged_attention_forward(
             softcap=softcap,
             sinks=s_aux,
             plan=meta.attention_plan(key.shape[1]) if dispatch.backend(query.device) == "torch" else None,
-            scales=meta.kv_scales.get(id(key)),
+            scales=scales,
         )
         return meta.unpack(out), None
     return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,

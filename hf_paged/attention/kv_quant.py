@@ -146,17 +146,32 @@ def dequantize(
     scales: torch.Tensor,  # [..., groups, channels] float32
     dtype: torch.dtype,
     out: torch.Tensor | None = None,  # [..., num_kv_heads, head_dim] of `dtype`, written in place
+    nan_scaled: bool = False,  # every row holding a NaN has a NaN scale (`dynamic_scales(quant)`)
 ) -> torch.Tensor:
     """`payload * scale (+ offset)` in `dtype` (the query's), into `out` when given."""
     if out is None:
         out = torch.empty(payload.shape, dtype=dtype, device=payload.device)
+    scale = scales[..., :1]
+    if payload.dtype == torch.float8_e4m3fn and nan_scaled:
+        # torch's e4m3 -> fp32 conversion is scalar on CPU (~15x int8's); the bits of e4m3 `s eeee mmm`
+        # shifted into fp16's `s 0eeee mmm0000000` are the same value times 2**-8, subnormals included,
+        # in three vectorised integer passes. Only the NaN codes come out finite (+-480), and a NaN row's
+        # dynamic scale is NaN, so they still read back NaN.
+        bits = payload.view(torch.int8).to(torch.int16)  # sign-extended
+        bits.bitwise_left_shift_(7).bitwise_and_(-16385)  # clear bit 14 (0xBFFF): s0eeeemmm0000000
+        payload, scale = bits.view(torch.float16), scale * 256.0
     out.copy_(payload)
     if dtype != torch.float32 and dtype != torch.float64:  # scale in fp32, then round once to dtype
-        result = out.float().mul_(scales[..., :1])
+        result = out.float().mul_(scale)
         if scales.shape[-1] == 2:
             result.add_(scales[..., 1:])
         return out.copy_(result)
-    out.mul_(scales[..., :1])
+    out.mul_(scale)
     if scales.shape[-1] == 2:
         out.add_(scales[..., 1:])
     return out
+
+
+def dynamic_scales(quant: KVQuant) -> bool:
+    """Whether every row's scale comes from its own values (so a NaN row has a NaN scale)."""
+    return quant.scheme in ("dynamic", "dynamic_token") and quant.key_scale is None and quant.value_scale is None

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MAX_DECODE_QUERY_LEN
-from .kv_quant import KVScales, dequantize, quantize, rotate
+from .kv_quant import KVScales, dequantize, dynamic_scales, quantize, rotate
 
 
 def store_kv(
@@ -84,11 +84,15 @@ def gather_dense(
     out = []
     for cache, scale_cache in ((key_cache, None if scales is None else scales.key),
                                (value_cache, None if scales is None else scales.value)):
-        gathered = cache.flatten(0, 1)[slots]  # [batch, num_columns, heads, dim]
+        if scale_cache is None:
+            gathered = cache.flatten(0, 1)[slots]  # [batch, num_columns, heads, dim]
+        else:  # one-byte payloads move as uint8 (advanced indexing of float8 is missing on some torch builds)
+            gathered = cache.view(torch.uint8).flatten(0, 1)[slots].view(cache.dtype)
         if scale_cache is None:
             gathered = gathered.to(dtype)
         else:
-            gathered = dequantize(gathered, scale_cache.flatten(0, 1)[slots], dtype)
+            gathered = dequantize(gathered, scale_cache.flatten(0, 1)[slots], dtype,
+                                  nan_scaled=dynamic_scales(scales.quant))
             if scales.quant.rotate:
                 gathered = rotate(gathered)
         gathered = gathered.masked_fill(~valid[:, :, None, None], 0)
@@ -185,7 +189,7 @@ class _Group:
 
     def gather(self, cache: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None,
                length: int | None = None, scales: torch.Tensor | None = None,
-               dequantized: torch.Tensor | None = None) -> torch.Tensor:
+               dequantized: torch.Tensor | None = None, nan_scaled: bool = False) -> torch.Tensor:
         """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V (D: that cache's own
         head width), gathered block by block. A quantised cache (`scales`: its
         [num_blocks, block_size, G, C] scales) is dequantised to `dtype` as it is gathered, into
@@ -197,14 +201,16 @@ class _Group:
             n = self.seq_len if length is None else length
             out = blocks.view(1, -1, num_kv_heads, head_dim)[:, :n]
             if scales is not None:
-                out = dequantize(out, scales[self.first_block:end].view(1, -1, *scales.shape[2:])[:, :n], dtype)
+                out = dequantize(out, scales[self.first_block:end].view(1, -1, *scales.shape[2:])[:, :n], dtype,
+                                 nan_scaled=nan_scaled)
             return out.to(dtype).transpose(1, 2)
         if buffer is None:
             blocks = cache.index_select(0, self.blocks)
         else:
             blocks = torch.index_select(cache, 0, self.blocks, out=buffer)
         if scales is not None:
-            blocks = dequantize(blocks, scales.index_select(0, self.blocks), dtype, out=dequantized)
+            blocks = dequantize(blocks, scales.index_select(0, self.blocks), dtype, out=dequantized,
+                                nan_scaled=nan_scaled)
         if length is None and self.invalid_rows.numel():
             blocks.view(-1, num_kv_heads, head_dim).index_fill_(0, self.invalid_rows, 0)
         out = blocks.view(self.num_seqs, self.max_seqlen_k, num_kv_heads, head_dim)[:, :length]
@@ -278,6 +284,8 @@ def paged_attention(
     `plan` (from `AttentionPlan` on the same metadata) skips rebuilding the per-step indices.
     """
     num_tokens, num_q_heads, head_dim = query.shape
+    if scales is None and key_cache.element_size() == 1:
+        raise ValueError(f"paged_attention: a {key_cache.dtype} (quantised) cache needs its scales; got scales=None")
     num_kv_heads = key_cache.shape[2]
     group_size = num_q_heads // num_kv_heads
     if num_tokens == 0 or max_seqlen_k == 0:
@@ -302,8 +310,11 @@ def paged_attention(
         is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
         length = group.num_kv if is_causal_sdpa else None
         k_scales, v_scales = (None, None) if scales is None else (scales.key, scales.value)
-        k = group.gather(key_cache, query.dtype, buffers[0], length, k_scales, dequantized[0])  # [Sg, Hkv, K, D]
-        v = group.gather(value_cache, query.dtype, buffers[1], length, v_scales, dequantized[1])  # [Sg, Hkv, K, Dv]
+        nan_scaled = scales is not None and dynamic_scales(scales.quant)
+        k = group.gather(key_cache, query.dtype, buffers[0], length, k_scales, dequantized[0],
+                         nan_scaled)  # [Sg, Hkv, K, D]
+        v = group.gather(value_cache, query.dtype, buffers[1], length, v_scales, dequantized[1],
+                         nan_scaled)  # [Sg, Hkv, K, Dv]
         if group.token_slice is not None:
             q = query[group.token_slice][None]  # [1, q_len, Hq, D]
         elif group.is_single_query:

@@ -197,7 +197,7 @@ class Engine:
         self.proposer, self.num_speculative_tokens = make_proposer(
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
             lookup_min=prompt_lookup_min, lookup_max=prompt_lookup_max, target_num_blocks=self.cache.pool.num_blocks,
-            max_num_seqs=max_num_seqs, block_size=self.cache.block_size)
+            max_num_seqs=max_num_seqs, block_size=self.cache.block_size, kv_cache_config=cache_config)
         self._requests: dict[str, _Tracked] = {}  # live requests (and samples), registered before they are queued
         self._groups: dict[str, _Group] = {}  # live requests by the id the caller knows
         self._ids = itertools.count()

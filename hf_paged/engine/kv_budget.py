@@ -24,7 +24,8 @@ def default_num_blocks(model: torch.nn.Module, probe: PagedCacheConfig, max_num_
         ValueError: the budget is smaller than one block.
     """
     cache = PagedCache(model.config, PagedCacheConfig(block_size=probe.block_size, kv_cache_dtype=probe.kv_cache_dtype,
-                                                      kv_quant_scheme=probe.kv_quant_scheme))
+                                                      kv_quant_scheme=probe.kv_quant_scheme,
+                                                      kv_quant_rotation=probe.kv_quant_rotation))
     bytes_per_block = cache.bytes_per_block(next(model.parameters()).dtype)
     budget = probe.max_kv_bytes
     if budget is None:

@@ -31,6 +31,7 @@ and the dense K/V for other attention implementations is gathered by `attention.
 from __future__ import annotations
 
 import itertools
+import logging
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -46,6 +47,8 @@ from .padding import real_columns, real_tokens
 from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
                       layer_types_of)
 from .weights import WeightsEpoch
+
+logger = logging.getLogger(__name__)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -115,6 +118,8 @@ class PagedLayer(CacheLayerMixin):
                 src, dst = src.to(self.device), dst.to(self.device)
                 for owner, name in self._tensors():
                     tensor = getattr(owner, name)
+                    if tensor.element_size() == 1:  # float8 has no advanced indexing on some torch builds
+                        tensor = tensor.view(torch.uint8)
                     tensor[dst] = tensor[src]
 
     def bytes_per_block(self) -> int:
@@ -466,8 +471,9 @@ class PagedCache(Cache):
             if not 0 <= idx < len(self.layers) or self.layers[idx].is_initialized:
                 continue
             if k_scale.numel() != 1 or v_scale.numel() != 1:
-                raise ValueError(f"layer {idx}: expected per-tensor k_scale/v_scale, got shapes "
-                                 f"{tuple(k_scale.shape)} and {tuple(v_scale.shape)}")
+                logger.warning("hf_paged: layer %d's checkpoint k_scale/v_scale are not per-tensor (shapes %s, %s); "
+                               "it keeps dynamic scales", idx, tuple(k_scale.shape), tuple(v_scale.shape))
+                continue
             k, v = float(k_scale), float(v_scale)
             if not (k > 0 and v > 0 and k != float("inf") and v != float("inf")):
                 raise ValueError(f"layer {idx}: checkpoint k_scale/v_scale must be positive and finite, got {k}, {v}")

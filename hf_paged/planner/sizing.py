@@ -39,6 +39,8 @@ GiB = 2**30
 # planner has no model dtype to resolve it to), for weights and KV alike. A quantised KV cache's
 # bytes include its scales (`config.kv_bytes_per_token_layer`, the formula the cache itself uses).
 DTYPE_NAMES = tuple(n for n in KV_CACHE_DTYPE_NAMES if n != "auto")
+_OLD_SPELLINGS = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+                  "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 REFERENCE_CONFIG_DIR = Path(__file__).parent / "reference_configs"
 # Other spellings of the bundled names (compared lower-case, without an "org/" prefix).
@@ -56,7 +58,9 @@ def dtype_spec(name: str) -> KVCacheDtype:
         ValueError: not one of `DTYPE_NAMES`.
     """
     if name not in DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPE_NAMES)}")
+        hint = _OLD_SPELLINGS.get(str(name).lower())
+        hint = f" (did you mean {hint!r}?)" if hint else ""
+        raise ValueError(f"unknown dtype {name!r}{hint}; expected one of {', '.join(DTYPE_NAMES)}")
     return kv_cache_dtype(name)
 
 

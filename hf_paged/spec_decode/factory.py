@@ -11,6 +11,7 @@ import torch
 
 from ..config import MAX_SPECULATIVE_TOKENS
 from ..hf import check_model_supported
+from ..config import PagedCacheConfig
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 
@@ -20,8 +21,9 @@ SPECULATIVE_METHODS = ("draft_model", "ngram")
 
 def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, num_tokens: int | None,
                   lookup_min: int, lookup_max: int, target_num_blocks: int, max_num_seqs: int,
-                  block_size: int):
-    """Returns `(proposer or None, num_speculative_tokens)`.
+                  block_size: int, kv_cache_config: PagedCacheConfig | None = None):
+    """Returns `(proposer or None, num_speculative_tokens)`. A draft model's own KV pool stores K/V as
+    the target's does (`kv_cache_config`'s dtype, quantisation scheme and rotation).
 
     Raises:
         ValueError: inconsistent or out-of-range options, naming the one at fault.
@@ -46,4 +48,6 @@ def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, nu
     check_model_supported(draft_model.config)
     # As many tokens as the target's pool, plus room for each running request's drafts.
     blocks = target_num_blocks + max_num_seqs * -(-num_tokens // block_size)
-    return DraftModelProposer(draft_model, num_blocks=blocks, block_size=block_size), num_tokens
+    kv = kv_cache_config or PagedCacheConfig()
+    return DraftModelProposer(draft_model, num_blocks=blocks, block_size=block_size, kv_cache_dtype=kv.kv_cache_dtype,
+                              kv_quant_scheme=kv.kv_quant_scheme, kv_quant_rotation=kv.kv_quant_rotation), num_tokens

@@ -361,3 +361,42 @@ def test_rotation_built_in_inference_mode_still_serves_autograd():
     x = torch.randn(2, 112, requires_grad=True)
     rotate(x).sum().backward()
     assert x.grad is not None
+
+
+def test_one_byte_blocks_without_scales_are_refused_not_misread():
+    key_cache, value_cache, _ = _random_quantized_cache("int8", "dynamic")
+    args = (torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([5], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), 1, 5, 0.3)
+    with pytest.raises(ValueError, match="quantised\\) cache needs its scales"):
+        torch_paged.paged_attention(torch.randn(1, 4, 8), key_cache, value_cache, *args)
+
+
+def test_draft_model_pool_stores_kv_like_the_target():
+    target, draft = tiny_model("llama"), tiny_model("llama", seed=1)
+    engine = Engine(target, draft_model=draft, kv_cache_dtype="int8", kv_quant_rotation=False)
+    cfg = engine.proposer.cache.cache_config
+    assert (cfg.kv_cache_dtype, cfg.kv_quant_rotation) == ("int8", False)
+    out = engine.generate([[3, 4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8))
+    assert len(out[0].token_ids) == 8 and engine.proposer.cache.layers[0].scales is not None
+
+
+def test_non_scalar_checkpoint_scales_fall_back_to_dynamic(caplog):
+    model = tiny_model("llama")
+    attn = model.model.layers[1].self_attn
+    attn.register_buffer("k_scale", torch.ones(2))
+    attn.register_buffer("v_scale", torch.ones(2))
+    cache = PagedCache(model.config, kv_cache_dtype="fp8")
+    with caplog.at_level("WARNING"):
+        assert cache.use_checkpoint_kv_scales(model) == 0
+    assert "layer 1's checkpoint k_scale/v_scale are not per-tensor" in caplog.text
+
+
+def test_fast_e4m3_dequantize_is_exact_and_keeps_nan_rows_nan():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).view(16, 1, 16)
+    scales = torch.full((16, 1, 1), 0.37)
+    want = codes.float() * 0.37
+    got = dequantize(codes, scales, torch.float32, nan_scaled=True)
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])  # every finite code, subnormals included, bit for bit
+    q, row_scales = quantize(torch.tensor([[[1.0, float("nan"), 2.0]]]), quant_of("fp8_e4m3"))
+    assert dequantize(q, row_scales, torch.float32, nan_scaled=True).isnan().all()

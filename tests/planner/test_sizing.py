@@ -85,6 +85,8 @@ def test_dtype_names_are_the_kv_vocabulary():
         with pytest.raises(ValueError, match="unknown dtype"):
             sizing.dtype_bytes(old)
     assert sizing.dtype_spec("fp8").name == "fp8_e4m3"
+    with pytest.raises(ValueError, match="unknown dtype 'bf16' \\(did you mean 'bfloat16'\\?\\)"):
+        sizing.dtype_bytes("bf16")
 
 
 def test_mla_caches_one_latent_plus_rope_key_per_layer():

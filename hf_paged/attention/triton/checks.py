@@ -41,7 +41,7 @@ def can_read_kv_dtype(query_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _has_fp8e4nv(device: torch.device) -> bool:
+def has_fp8e4nv(device: torch.device) -> bool:
     """Whether Triton can convert float8_e4m3fn on `device`: NVIDIA sm_89+ (older GPUs only have e5m2).
     CPU tensors (the interpreter) and ROCm are left to Triton."""
     if device.type != "cuda" or torch.version.hip is not None:
@@ -83,7 +83,7 @@ def check_kv_scales(
              "HF_PAGED_BACKEND=torch")
     if quant.dtype != key_cache.dtype or value_cache.dtype != key_cache.dtype:
         fail(f"scales.quant.dtype is {quant.dtype} but the caches hold {key_cache.dtype} / {value_cache.dtype}")
-    if key_cache.dtype == torch.float8_e4m3fn and not _has_fp8e4nv(key_cache.device):
+    if key_cache.dtype == torch.float8_e4m3fn and not has_fp8e4nv(key_cache.device):
         fail("a float8_e4m3fn cache needs an NVIDIA GPU of compute capability 8.9+ (Ada, Hopper) in Triton; use "
              "kv_cache_dtype='fp8_e5m2' or 'int8' here, or HF_PAGED_BACKEND=torch")
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
