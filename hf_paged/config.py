@@ -152,9 +152,14 @@ def kv_bytes_per_token_layer(num_kv_heads: int, head_dim: int, head_dim_v: int, 
     (`KV_SCALE_BYTES` per scale group of K and of V, two floats each for "asymmetric"). The cache's
     tensors and every byte figure (pool sizing, the sizing CLI) come from this one formula."""
     payload = num_kv_heads * (head_dim + head_dim_v) * (kv_dtype.itemsize or model_itemsize)
+    return payload + kv_scale_bytes_per_token_layer(num_kv_heads, kv_dtype, scheme)
+
+
+def kv_scale_bytes_per_token_layer(num_kv_heads: int, kv_dtype: KVCacheDtype, scheme: str = "dynamic") -> int:
+    """Of `kv_bytes_per_token_layer`, the bytes of a quantised cache's scales (0 unquantised)."""
     if not kv_dtype.is_quantized:
-        return payload
-    return payload + 2 * kv_scale_groups(num_kv_heads, scheme) * KV_SCALE_BYTES * kv_scale_channels(scheme)
+        return 0
+    return 2 * kv_scale_groups(num_kv_heads, scheme) * KV_SCALE_BYTES * kv_scale_channels(scheme)
 
 
 def kv_scale_groups(num_kv_heads: int, scheme: str) -> int:

@@ -91,11 +91,16 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
     quantised cache's `kv_quant.KVScales` (K/V are dequantised as they are read). Up to
     `MAX_DECODE_QUERY_LEN` queries per sequence the split-KV decode kernel runs, above it the tiled
     prefill kernel."""
-    if scales is not None and scales.quant.rotate:  # rotated K/V: rotate the queries, un-rotate the output
-        out = paged_attention(rotate(query), key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                              max_seqlen_q, max_seqlen_k, scale, sliding_window, softcap, sinks, plan,
-                              _unrotated(scales))
-        return rotate(out)
+    # Rotated K/V (see `kv_quant`): the backends attend rotated queries over them as over any K/V,
+    # and the output comes back rotated.
+    rotated = scales is not None and scales.quant.rotate
+    out = _attend(rotate(query) if rotated else query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                  max_seqlen_q, max_seqlen_k, scale, sliding_window, softcap, sinks, plan, scales)
+    return rotate(out) if rotated else out
+
+
+def _attend(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
+            sliding_window, softcap, sinks, plan, scales):
     if backend(query.device) == "triton":
         if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
             from .triton.decode import paged_decode as kernel
@@ -109,9 +114,3 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
         scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan, scales=scales,
     )
 
-
-def _unrotated(scales):
-    """The same scales with rotation already applied by the caller (a shallow copy)."""
-    from dataclasses import replace
-
-    return replace(scales, quant=replace(scales.quant, rotate=False))

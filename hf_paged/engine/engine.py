@@ -23,6 +23,7 @@ leaves input checks (`inputs.py`), pool sizing (`kv_budget.py`), text (`outputs.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import logging
 import sys
 import threading
@@ -176,16 +177,13 @@ class Engine:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.device = next(model.parameters()).device
         self.show_progress = show_progress
-        probe = PagedCacheConfig(block_size=block_size, num_blocks=num_blocks, max_kv_bytes=max_kv_bytes,
-                                 kv_cache_dtype=kv_cache_dtype,
-                                 kv_quant_scheme=kv_quant_scheme,
-                                 kv_quant_rotation=kv_quant_rotation)  # validates the knobs before any sizing
-        cache_config = PagedCacheConfig(
-            block_size=block_size,
-            num_blocks=num_blocks or default_num_blocks(model, probe, max_num_seqs, self.max_model_len, self.device),
-            kv_cache_dtype=kv_cache_dtype, kv_quant_scheme=kv_quant_scheme, kv_quant_rotation=kv_quant_rotation,
+        probe = PagedCacheConfig(  # validates the knobs before any sizing
+            block_size=block_size, num_blocks=num_blocks, max_kv_bytes=max_kv_bytes, kv_cache_dtype=kv_cache_dtype,
+            kv_quant_scheme=kv_quant_scheme, kv_quant_rotation=kv_quant_rotation,
             enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
         )
+        cache_config = replace(probe, max_kv_bytes=None, num_blocks=num_blocks or default_num_blocks(
+            model, probe, max_num_seqs, self.max_model_len, self.device))
         self.cache = PagedCache(model.config, cache_config)
         self.cache.use_checkpoint_kv_scales(model)
         self.scheduler = Scheduler(self.cache.manager, max_num_seqs=max_num_seqs,

@@ -7,6 +7,8 @@ take 2 GiB on CPU, half the free device memory on CUDA), capped at what `max_num
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..config import PagedCacheConfig
@@ -23,9 +25,7 @@ def default_num_blocks(model: torch.nn.Module, probe: PagedCacheConfig, max_num_
     Raises:
         ValueError: the budget is smaller than one block.
     """
-    cache = PagedCache(model.config, PagedCacheConfig(block_size=probe.block_size, kv_cache_dtype=probe.kv_cache_dtype,
-                                                      kv_quant_scheme=probe.kv_quant_scheme,
-                                                      kv_quant_rotation=probe.kv_quant_rotation))
+    cache = PagedCache(model.config, replace(probe, num_blocks=None, max_kv_bytes=None))  # sizes blocks only
     bytes_per_block = cache.bytes_per_block(next(model.parameters()).dtype)
     budget = probe.max_kv_bytes
     if budget is None:

@@ -30,7 +30,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..config import KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_bytes_per_token_layer, kv_cache_dtype
+from ..config import (KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_bytes_per_token_layer, kv_cache_dtype,
+                      kv_scale_bytes_per_token_layer)
 
 GB = 10**9
 GiB = 2**30
@@ -260,14 +261,8 @@ def kv_bytes_per_layer_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> i
 
 def kv_scale_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
     """Of `kv_bytes_per_token`, the bytes of a quantised cache's scales (0 unquantised)."""
-    spec = dtype_spec(kv_dtype)
-    if not spec.is_quantized:
-        return 0
-    payload = kv_bytes_per_layer_token(shape, "int8")  # one byte per element, plus the scales
-    elements = (shape.kv_lora_rank + shape.qk_rope_head_dim if shape.is_mla
-                else shape.num_kv_heads * (shape.head_dim + shape.v_head_dim))
-    return shape.num_layers * (payload - elements)
-
+    return shape.num_layers * kv_scale_bytes_per_token_layer(1 if shape.is_mla else shape.num_kv_heads,
+                                                             dtype_spec(kv_dtype))
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
     """Bytes one token takes across all layers, before any sliding-window cap:

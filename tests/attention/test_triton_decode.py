@@ -64,21 +64,29 @@ class Batch:
     max_seqlen_k: int
 
 
+def scattered_block_tables(seq_lens, block_size, num_spare_blocks, gen):
+    """(num_blocks, block_tables, ref_block_tables): each sequence's blocks are a random permutation of
+    the pool; table entries past a sequence's blocks are garbage ids (any int32) in `block_tables` and
+    valid ids in `ref_block_tables` (for the torch reference, which gathers them)."""
+    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + num_spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    width = max(blocks_per_seq) + 2
+    block_tables = torch.randint(-2**31, 2**31 - 1, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    ref_block_tables = torch.randint(0, num_blocks, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    start = 0
+    for b, n in enumerate(blocks_per_seq):
+        block_tables[b, :n] = ref_block_tables[b, :n] = perm[start:start + n]
+        start += n
+    return num_blocks, block_tables, ref_block_tables
+
+
 def make_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, dtype, seed, query_scale=3.0,
                hnd_cache=False, strided_query=False):
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [s for s, _ in rows]
     q_lens = [q for _, q in rows]
-    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + NUM_SPARE_BLOCKS
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    width = max(blocks_per_seq) + 2
-    block_tables = torch.randint(-2**31, 2**31 - 1, (len(rows), width), generator=gen, dtype=torch.int32)
-    ref_block_tables = torch.randint(0, num_blocks, (len(rows), width), generator=gen, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = ref_block_tables[b, :n] = perm[start:start + n]
-        start += n
+    num_blocks, block_tables, ref_block_tables = scattered_block_tables(seq_lens, block_size, NUM_SPARE_BLOCKS, gen)
 
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     garbage = [((torch.rand(*shape, generator=gen) * 2 - 1) * GARBAGE).to(dtype) for _ in range(2)]

@@ -43,6 +43,7 @@ from hf_paged.attention.triton.decode import paged_decode  # noqa: E402
 from hf_paged.attention.triton.prefill import flash_prefill  # noqa: E402
 from hf_paged.attention.triton.store_kv import store_kv  # noqa: E402
 from hf_paged.config import kv_cache_dtype  # noqa: E402
+from tests.attention.test_triton_decode import scattered_block_tables  # noqa: E402
 
 NUM_SPARE_BLOCKS = 2
 # Against torch on the same quantised cache both sides dequantise identically (payload.float() * scale,
@@ -263,16 +264,7 @@ def make_quantized_batch(rows, block_size, num_q_heads, num_kv_heads, head_dim, 
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [s for s, _ in rows]
     q_lens = [q for _, q in rows]
-    blocks_per_seq = [math.ceil(s / block_size) for s in seq_lens]
-    num_blocks = sum(blocks_per_seq) + NUM_SPARE_BLOCKS
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
-    width = max(blocks_per_seq) + 2
-    block_tables = torch.randint(-2**31, 2**31 - 1, (len(rows), width), generator=gen, dtype=torch.int32)
-    ref_block_tables = torch.randint(0, num_blocks, (len(rows), width), generator=gen, dtype=torch.int32)
-    start = 0
-    for b, n in enumerate(blocks_per_seq):
-        block_tables[b, :n] = ref_block_tables[b, :n] = perm[start:start + n]
-        start += n
+    num_blocks, block_tables, ref_block_tables = scattered_block_tables(seq_lens, block_size, NUM_SPARE_BLOCKS, gen)
 
     key_cache, value_cache, scales = garbage_pool(quant, num_blocks, block_size, num_kv_heads, head_dim,
                                                   head_dim_v, gen)
