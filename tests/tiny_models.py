@@ -67,6 +67,18 @@ def tiny_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0, dtyp
     return model.eval()
 
 
+def stock_greedy(arch: str, prompts: list[list[int]], **gen_kwargs) -> list[list[int]]:
+    """Stock `generate` (sdpa, or eager where sdpa lacks a feature) on each prompt alone: the new
+    token ids, the oracle of the engine's parity tests."""
+    model = tiny_model(arch, STOCK_ATTN.get(arch, "sdpa"))
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **gen_kwargs)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
 def left_padded_batch(lengths: list[int], seed: int = 0):
     """Random prompts of the given lengths, left-padded like a tokenizer with padding_side='left'."""
     g = torch.Generator().manual_seed(seed)

@@ -88,7 +88,18 @@ def paged_attention_forward(
         if kwargs.get("output_attentions"):
             raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")
         meta = paged_metadata
-        scales = meta.kv_scales.get(id(key))
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int):
+            layer_idx = meta.active_layer
+        group = meta.group_of(layer_idx)
+        kept = meta.group_windows[group] if meta.group_windows else None
+        if kept is not None and (sliding_window is None or sliding_window > kept):
+            raise ValueError(
+                f"hf_paged: layer {layer_idx} attends with sliding_window={sliding_window}, but its KV blocks are kept "
+                f"for a window of {kept} tokens only (the model config's layer_types / sliding_window disagree with "
+                "its attention)"
+            )
+        scales = meta.kv_scales.get(layer_idx)
         if scales is None and key.element_size() == 1:
             raise ValueError(
                 f"hf_paged: the attention got {key.dtype} (quantised) blocks whose scales this step never registered; "
@@ -98,7 +109,7 @@ def paged_attention_forward(
             meta.pack(query),
             key,
             value,
-            meta.block_tables,
+            meta.block_tables_of(group),
             meta.seq_lens,
             meta.cu_seqlens_q,
             meta.max_seqlen_q,
@@ -107,7 +118,7 @@ def paged_attention_forward(
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=s_aux,
-            plan=meta.attention_plan(key.shape[1]) if dispatch.backend(query.device) == "torch" else None,
+            plan=meta.attention_plan(key.shape[1], group) if dispatch.backend(query.device) == "torch" else None,
             scales=scales,
         )
         return meta.unpack(out), None

@@ -51,6 +51,12 @@ class StepMetadata:
         max_seqlen_q, max_seqlen_k: maxima of the per-row query and KV lengths.
         has_skipped_slots: whether `slot_mapping` holds any -1 (known on the host when it is built,
             so that writing the K/V needs no check per layer).
+        group_block_tables, group_slot_mapping: the same per KV group (`config.kv_layout`):
+            sliding-window layers have their own tables, whose leading released entries read as the
+            row's first held block (never read by the Triton kernels, which start at the window;
+            weight exactly 0 on the torch path). `block_tables` / `slot_mapping` are group 0's.
+        layer_group: per layer, its group (None: one group).
+        group_windows: per group, the sliding window its blocks are kept for (None: full attention).
     """
 
     mode: str
@@ -67,11 +73,16 @@ class StepMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     has_skipped_slots: bool = True
+    group_block_tables: tuple[torch.Tensor, ...] = ()
+    group_slot_mapping: tuple[torch.Tensor, ...] = ()
+    layer_group: tuple[int, ...] | None = None
+    group_windows: tuple[int | None, ...] | None = None
+    active_layer: int | None = None  # the layer whose K/V the cache stored last (its attention runs next)
     layers_done: set[int] = field(default_factory=set)
     # Quantised layers' scales by the id of the payload tensor the cache returned for the layer (the
     # attention receives that tensor as `key`): `kv_quant.KVScales`.
     kv_scales: dict = field(default_factory=dict)
-    dense_index: tuple[torch.Tensor, torch.Tensor] | None = None  # DENSE: (slots, valid), [batch, num_columns]
+    dense_index: dict = field(default_factory=dict)  # DENSE, per group: (slots, valid), [batch, num_columns]
     workspace: object = None  # the cache's `torch_paged.Workspace`, for the torch path's gathers
     _plans: dict = field(default_factory=dict, repr=False)
 
@@ -79,14 +90,27 @@ class StepMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
-    def attention_plan(self, block_size: int):
-        """The torch path's per-step indices and masks (`torch_paged.AttentionPlan`), built on
-        first use and shared by every layer of this step."""
-        if block_size not in self._plans:
-            self._plans[block_size] = AttentionPlan(self.block_tables, self.seq_lens, self.cu_seqlens_q,
-                                                    self.max_seqlen_q, self.max_seqlen_k, block_size,
-                                                    workspace=self.workspace)
-        return self._plans[block_size]
+    def group_of(self, layer_idx: int | None) -> int:
+        """The KV group of layer `layer_idx` (0 for a one-group step or an unknown layer)."""
+        if self.layer_group is None or layer_idx is None:
+            return 0
+        return self.layer_group[layer_idx]
+
+    def block_tables_of(self, group: int) -> torch.Tensor:  # [batch_size, max_blocks] int32
+        return self.group_block_tables[group] if self.group_block_tables else self.block_tables
+
+    def slot_mapping_of(self, group: int) -> torch.Tensor:  # [num_tokens] int64
+        return self.group_slot_mapping[group] if self.group_slot_mapping else self.slot_mapping
+
+    def attention_plan(self, block_size: int, group: int = 0):
+        """The torch path's per-step indices and masks (`torch_paged.AttentionPlan`) for one KV
+        group, built on first use and shared by every layer of that group in this step."""
+        key = (block_size, group)
+        if key not in self._plans:
+            self._plans[key] = AttentionPlan(self.block_tables_of(group), self.seq_lens, self.cu_seqlens_q,
+                                             self.max_seqlen_q, self.max_seqlen_k, block_size,
+                                             workspace=self.workspace)
+        return self._plans[key]
 
     def pack(self, states: torch.Tensor) -> torch.Tensor:
         """[batch, heads, q_len, dim] (transformers' layout) -> [num_tokens, heads, dim] real tokens."""
@@ -102,21 +126,45 @@ class StepMetadata:
         return out.view(self.batch_size, self.q_len, *packed.shape[1:])
 
 
-def _varlen_fields(q_lens: list[int], slots: list[list[int]], block_tables: list[list[int]], seq_lens: list[int],
-                   device: torch.device) -> dict:
-    """The per-sequence tensors every step has, one host-to-device copy each."""
+def _table_tensor(block_tables: list[list[int]]) -> torch.Tensor:
+    """[num_seqs, max_blocks] int32, 0 past each row's blocks. A released (NULL_BLOCK < 0) entry reads
+    as the row's first held block: K/V of its own sequence, which the window masks out, never another
+    request's (whose NaN, times a zero weight, would still be NaN)."""
+    width = max(max((len(t) for t in block_tables), default=0), 1)
+    rows = []
+    for t in block_tables:
+        if t and t[0] < 0:
+            held = next((b for b in t if b >= 0), 0)
+            t = [held if b < 0 else b for b in t]
+        rows.append(t + [0] * (width - len(t)))
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _varlen_fields(q_lens: list[int], slots, block_tables, seq_lens: list[int], device: torch.device,
+                   group_slots=None, group_block_tables=None, layer_group=None, group_windows=None) -> dict:
+    """The per-sequence tensors every step has, one host-to-device copy each.
+
+    `slots` / `block_tables` describe one KV group; `group_slots` / `group_block_tables` (per group,
+    per sequence) and `layer_group` replace them for a model with several."""
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    width = max(max((len(t) for t in block_tables), default=0), 1)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-    flat_slots = [s for row in slots for s in row]
+    if group_slots is None:
+        group_slots, group_block_tables = [slots], [block_tables]
+    tables = tuple(_table_tensor(t).to(device) for t in group_block_tables)
+    flat = [[s for row in g for s in row] for g in group_slots]
+    mappings = tuple(torch.tensor(f, dtype=torch.long).to(device) for f in flat)
+    many = len(tables) > 1
     return dict(
-        has_skipped_slots=min(flat_slots, default=0) < 0,
+        has_skipped_slots=min((min(f, default=0) for f in flat), default=0) < 0,
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        block_tables=tables.to(device),
-        slot_mapping=torch.tensor(flat_slots, dtype=torch.long).to(device),
+        block_tables=tables[0],
+        slot_mapping=mappings[0],
+        group_block_tables=tables if many else (),
+        group_slot_mapping=mappings if many else (),
+        layer_group=tuple(layer_group) if many else None,
+        group_windows=tuple(group_windows) if group_windows is not None else None,
         max_seqlen_q=max(q_lens, default=0),
         max_seqlen_k=max(seq_lens, default=0),
     )
@@ -128,11 +176,15 @@ def build_step_metadata(
     q_len: int,
     num_columns: int,
     real_cols: list[range],
-    slots: list[list[int]],
-    block_tables: list[list[int]],
+    slots: list[list[int]] | None = None,
+    block_tables: list[list[int]] | None = None,
     seq_lens: list[int],
     copies: list[tuple[int, int]],
     device: torch.device,
+    group_slots: list[list[list[int]]] | None = None,
+    group_block_tables: list[list[list[int]]] | None = None,
+    layer_group: tuple[int, ...] | None = None,
+    group_windows: tuple[int | None, ...] | None = None,
 ) -> StepMetadata:
     """Turn the block manager's per-row answers into device tensors (one host-to-device copy each).
 
@@ -140,6 +192,8 @@ def build_step_metadata(
         real_cols: per row, the columns of this step holding real tokens (a suffix: left padding).
         slots: per row, the slot of each real token in `real_cols` order.
         block_tables, seq_lens: per row, after this step.
+        group_slots, group_block_tables, layer_group: the same per KV group, for a model with several
+            (instead of `slots` / `block_tables`); `layer_group[i]` is layer i's group.
     """
     batch_size = len(seq_lens)
     counts = [len(c) for c in real_cols]
@@ -159,18 +213,23 @@ def build_step_metadata(
         token_index=token_index,
         num_padding=num_padding,
         copies=copies,
-        **_varlen_fields(counts, slots, block_tables, seq_lens, device),
+        **_varlen_fields(counts, slots, block_tables, seq_lens, device, group_slots, group_block_tables, layer_group,
+                         group_windows),
     )
 
 
 def build_packed_metadata(
     *,
     q_lens: list[int],
-    slots: list[list[int]],
-    block_tables: list[list[int]],
+    slots: list[list[int]] | None = None,
+    block_tables: list[list[int]] | None = None,
     seq_lens: list[int],
     copies: list[tuple[int, int]],
     device: torch.device,
+    group_slots: list[list[list[int]]] | None = None,
+    group_block_tables: list[list[list[int]]] | None = None,
+    layer_group: tuple[int, ...] | None = None,
+    group_windows: tuple[int | None, ...] | None = None,
 ) -> StepMetadata:
     """Metadata for one engine step: sequences packed back to back in a single `[1, num_tokens]` row.
 
@@ -178,6 +237,7 @@ def build_packed_metadata(
         q_lens: per sequence, the tokens it feeds this step (its chunk).
         slots: per sequence, the slot of each of those tokens (-1: prefix-cache hit, nothing to write).
         block_tables, seq_lens: per sequence, after this step.
+        group_slots, group_block_tables, layer_group: per KV group (see `build_step_metadata`).
     """
     return StepMetadata(
         mode=PAGED,
@@ -187,5 +247,6 @@ def build_packed_metadata(
         token_index=None,
         num_padding=None,
         copies=copies,
-        **_varlen_fields(q_lens, slots, block_tables, seq_lens, device),
+        **_varlen_fields(q_lens, slots, block_tables, seq_lens, device, group_slots, group_block_tables,
+                         layer_group, group_windows),
     )

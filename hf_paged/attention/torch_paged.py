@@ -70,17 +70,23 @@ def gather_dense(
     step,  # the forward's `StepMetadata` (DENSE mode)
     dtype: torch.dtype,
     scales: KVScales | None = None,  # a quantised cache's scales: dequantised in the gather
+    group: int = 0,  # the layer's KV group (its block tables)
+    first_kept: list[int] | None = None,  # per row, first token position the group still holds
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, num_kv_heads, num_columns, head_dim], same with head_dim_v
     """K/V in transformers' padded column order for sdpa/eager, zeros at padding columns, each at
     its own head width. The gather index is built once per step (on `step.dense_index`) and shared
     by every layer."""
     device = key_cache.device
-    if step.dense_index is None or step.dense_index[0].device != device:
+    index = step.dense_index.get(group)
+    if index is None or index[0].device != device:
         columns = torch.arange(step.num_columns, device=device)
         tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
         valid = tok >= 0
-        step.dense_index = (slots_of(step.block_tables.to(device), tok.clamp(min=0), key_cache.shape[1]), valid)
-    slots, valid = step.dense_index
+        if first_kept is not None:  # released sliding-window blocks: zeros, like padding
+            valid &= tok >= torch.as_tensor(first_kept, device=device)[:, None]
+        index = step.dense_index[group] = (slots_of(step.block_tables_of(group).to(device), tok.clamp(min=0),
+                                                    key_cache.shape[1]), valid)
+    slots, valid = index
     out = []
     for cache, scale_cache in ((key_cache, None if scales is None else scales.key),
                                (value_cache, None if scales is None else scales.value)):

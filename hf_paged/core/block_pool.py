@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-from .sequence import KVSequence
+from ..config import kv_groups, num_freeable_blocks
+from .sequence import NULL_BLOCK, KVSequence
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -258,91 +259,158 @@ class AppendResult:
     """What the tensor owner must do for one `append_tokens` call.
 
     Attributes:
-        slots: one physical slot (`block_id * block_size + offset`) per appended token, or -1 where the
-            block came from the prefix cache and already holds that token's K/V (nothing to write).
+        group_slots: per KV group, one physical slot (`block_id * block_size + offset`) per appended
+            token, or -1 where the block came from the prefix cache and already holds that token's
+            K/V (nothing to write). `slots` is group 0's.
         copies: `(src_block, dst_block)` pairs to copy, in order, before any write (copy-on-write).
         num_cached_tokens: how many of the appended tokens were prefix-cache hits.
-        new_full_blocks: `(block_id, block_hash)` of the blocks this call filled. With
+        new_full_blocks: `(block_id, block_key)` of the blocks this call filled. With
             `register=False` they are not in the prefix cache yet: `commit_full_blocks` publishes
             them once the forward has written their K/V.
     """
 
-    slots: list[int] = field(default_factory=list)
+    group_slots: list[list[int]] = field(default_factory=lambda: [[]])
     copies: list[tuple[int, int]] = field(default_factory=list)
     num_cached_tokens: int = 0
-    new_full_blocks: list[tuple[int, int]] = field(default_factory=list)
+    new_full_blocks: list[tuple[int, object]] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[int]:
+        return self.group_slots[0]
 
 
 class BlockManager:
-    """Maps sequences onto pool blocks: append, fork, truncate and free, with prefix caching.
+    """Maps sequences onto pool blocks: append, fork, truncate and free, with prefix caching, one
+    block table per KV group (`config.kv_layout`) over one shared pool.
+
+    A sliding-window group gives back the blocks no query can read any more: every append first
+    releases the leading blocks before `first_readable_position(num_tokens, window, lookback)` (the
+    queries of this and every later step sit at `num_tokens - lookback` or later), so a group holds
+    `config.blocks_held` blocks at most. The pool keys a full block of group 0 by its chain hash
+    and a block of group g > 0 by `(g, chain hash)`: one content, one cached block per group.
 
     Args:
         pool: the shared `BlockPool`.
         block_size: tokens per block.
+        windows: per KV group, its sliding window or None (full attention); default one full group.
+        lookback: tokens a caller may roll back below a sequence's length before its next append
+            (`truncate` of more is refused once the blocks are gone). 0 suits callers that roll back
+            only tokens of the step they just appended; a draft model that drafts k tokens ahead
+            before its rollback is known needs k.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int):
+    def __init__(self, pool: BlockPool, block_size: int, windows: SequenceABC[int | None] = (None,),
+                 lookback: int = 0):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        kv_groups([w for w in windows])  # validates the windows
+        if not windows:
+            raise ValueError("a BlockManager needs at least one KV group")
+        if isinstance(lookback, bool) or not isinstance(lookback, int) or lookback < 0:
+            raise ValueError(f"lookback must be an integer >= 0, got {lookback!r}")
         self.pool = pool
         self.block_size = block_size
+        self.windows = tuple(windows)
+        self.lookback = lookback
+        self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
 
-    def num_blocks_needed(self, seq: KVSequence, num_new_tokens: int) -> int:
-        """Worst-case blocks `append_tokens(seq, <num_new_tokens tokens>)` takes (no prefix hits)."""
-        bs = self.block_size
-        needed = -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.block_table)
-        if seq.num_tokens % bs and num_new_tokens and self.pool.ref_count(seq.block_table[-1]) > 1:
-            needed += 1  # copy-on-write of the shared partial last block
-        return max(needed, 0)
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    # ------------------------------------------------------------------ questions
+    def first_kept_block(self, group: int, num_tokens: int) -> int:
+        """The first table index of `group` a query at `num_tokens - lookback` or later can read."""
+        return num_freeable_blocks(num_tokens, self.windows[group], self.block_size, self.lookback)
+
+    def max_blocks_for(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """The most blocks one sequence growing to `num_tokens` tokens ever holds at once, when no
+        step appends more than `max_chunk` tokens (None: a single step may append everything)."""
+        bs, total = self.block_size, 0
+        for window in self.windows:
+            blocks = -(-num_tokens // bs)
+            if window is not None and max_chunk is not None:
+                blocks = min(blocks, -(-(window - 1 + self.lookback + max_chunk) // bs) + 1)
+            total += blocks
+        return total
+
+    def num_blocks_held(self, seq: KVSequence, num_new_tokens: int = 0) -> int:
+        """Blocks `seq` holds while a step appends `num_new_tokens` to it (after its release)."""
+        n = seq.num_tokens + num_new_tokens
+        return sum(-(-n // self.block_size) - self.first_kept_block(g, seq.num_tokens) for g in range(self.num_groups))
+
+    def num_blocks_needed(self, seq: KVSequence, num_new_tokens: int, num_cached_tokens: int = 0) -> int:
+        """Worst-case blocks `append_tokens` takes from the pool for `num_new_tokens` tokens (no
+        prefix hits), after `num_cached_tokens` prefix-cache tokens the forward skips
+        (`append_cached`). Blocks the append releases first are not subtracted (`can_append` is)."""
+        bs, n0 = self.block_size, seq.num_tokens
+        end = n0 + num_cached_tokens + num_new_tokens
+        needed = 0
+        for g, table in enumerate(self._tables(seq)):
+            first = self.first_kept_block(g, n0 + num_cached_tokens)
+            needed += max(-(-end // bs) - max(len(table), first), 0)
+            if n0 % bs and end > n0 and self.pool.ref_count(table[-1]) > 1:
+                needed += 1  # copy-on-write of the shared partial last block
+        return needed
+
+    def num_releasable(self, seq: KVSequence, num_cached_tokens: int = 0) -> int:
+        """Blocks the next append gives back to the free count (sliding groups, sole owner)."""
+        freed = 0
+        for g in self._sliding:
+            table, released = self._table(seq, g), seq.num_released[g]
+            first = min(self.first_kept_block(g, seq.num_tokens + num_cached_tokens), len(table))
+            freed += sum(1 for b in table[released:first] if self.pool.ref_count(b) == 1)
+        return freed
 
     def can_append(self, seq: KVSequence, num_new_tokens: int) -> bool:
-        return self.pool.can_allocate(self.num_blocks_needed(seq, num_new_tokens))
+        return self.num_blocks_needed(seq, num_new_tokens) <= self.pool.num_free_blocks + self.num_releasable(seq)
 
     def num_cached_prefix_tokens(self, seq: KVSequence, token_ids: SequenceABC[int]) -> int:
-        """How many leading `token_ids` an empty `seq` would take from the prefix cache (whole
-        blocks, hash chain unbroken). A question only: nothing is acquired."""
+        """How many leading `token_ids` an empty `seq` would take from the prefix cache when the
+        forward skips them (`append_cached`): whole blocks, hash chain unbroken, and in every group
+        the blocks the continuation reads (all of them for full attention, the last window's for a
+        sliding group). A question only: nothing is acquired."""
         pool, bs = self.pool, self.block_size
         if seq.num_tokens or not (pool.enable_prefix_caching and seq.is_cacheable):
             return 0
-        parent, n = None, 0
-        while n + bs <= len(token_ids):
-            parent = hash_block_tokens(parent, token_ids[n : n + bs], seq.extra_key)
-            if pool.lookup(parent) is None:
+        full = [g for g in range(self.num_groups) if self.windows[g] is None]
+        hashes, parent = [], None
+        while (len(hashes) + 1) * bs <= len(token_ids):
+            i = len(hashes)
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key)
+            if any(pool.lookup(self._key(g, parent)) is None for g in full):
                 break
-            n += bs
-        return n
+            hashes.append(parent)
+        if not self._sliding:
+            return len(hashes) * bs
+        # misses[g][k]: blocks among the first k that group g lacks
+        misses = {}
+        for g in self._sliding:
+            counts = [0]
+            for h in hashes:
+                counts.append(counts[-1] + (pool.lookup(self._key(g, h)) is None))
+            misses[g] = counts
+        for k in range(len(hashes), 0, -1):
+            if all(misses[g][k] == misses[g][self.first_kept_block(g, k * bs)] for g in self._sliding):
+                return k * bs
+        return 0
 
+    # ------------------------------------------------------------------ mutations
     def append_tokens(self, seq: KVSequence, token_ids: SequenceABC[int], register: bool = True) -> AppendResult:
         """Give `token_ids` slots at the end of `seq`, reusing cached full blocks where the hash
-        chain matches. Raises `NoFreeBlocksError` before changing anything if the pool is short.
+        chain matches in every group. Sliding groups first release the blocks no query of this or a
+        later step reads. Raises `NoFreeBlocksError` before changing anything if the pool is short.
 
         Args:
             register: publish the blocks this call fills in the prefix cache at once. A caller whose
                 forward may still fail passes False and calls `commit_full_blocks` after it (a block
                 is never findable before its K/V exist).
         """
-        needed = self.num_blocks_needed(seq, len(token_ids))
-        if not self.pool.can_allocate(needed):
-            raise NoFreeBlocksError(
-                f"sequence {seq.seq_id} needs {needed} more KV blocks but only "
-                f"{self.pool.num_free_blocks} of {self.pool.num_blocks} are free"
-            )
-        bs, pool, result = self.block_size, self.pool, AppendResult()
-        if seq.prefix_epoch is None:
-            seq.prefix_epoch = pool.epoch
-        elif seq.prefix_epoch != pool.epoch and seq.is_cacheable:
-            seq.is_cacheable = False  # alive across a prefix-cache reset: see reset_prefix_cache
-            seq.block_hashes.clear()
-        caching = pool.enable_prefix_caching and seq.is_cacheable
-        if seq.num_tokens % bs and token_ids:
-            last = seq.block_table[-1]
-            if pool.ref_count(last) > 1:
-                (new,) = pool.allocate(1, after=seq.block_table[-2] if len(seq.block_table) > 1 else None)
-                result.copies.append((last, new))
-                pool.free([last])
-                seq.block_table[-1] = new
-            elif pool.block_hash[last] is not None:
-                pool.unregister(last)  # sole owner about to overwrite the tail of a once-full block
+        self._check_room(seq, len(token_ids), 0)
+        self.release(seq, seq.num_tokens)
+        bs, pool, result = self.block_size, self.pool, self._result()
+        caching = self._start_hashing(seq)
+        self._copy_on_write(seq, token_ids, result)
         i, n = 0, len(token_ids)
         while i < n:
             offset = seq.num_tokens % bs
@@ -350,44 +418,81 @@ class BlockManager:
                 chunk = token_ids[i : i + bs]
                 if caching and len(chunk) == bs:
                     block_hash = hash_block_tokens(seq.last_block_hash, chunk, seq.extra_key)
-                    hit = pool.acquire_cached(block_hash)
-                    if hit is not None:
-                        seq.block_table.append(hit)
+                    if self._acquire_all(seq, block_hash, range(self.num_groups)):
                         seq.block_hashes.append(block_hash)
                         seq.token_ids.extend(chunk)
-                        result.slots.extend([-1] * bs)
+                        for slots in result.group_slots:
+                            slots.extend([-1] * bs)
                         result.num_cached_tokens += bs
                         i += bs
                         continue
-                seq.block_table.append(pool.allocate(1, after=seq.block_table[-1] if seq.block_table else None)[0])
-            block_id = seq.block_table[-1]
+                for table in seq.block_tables:
+                    table.append(pool.allocate(1, after=table[-1] if table and table[-1] >= 0 else None)[0])
             take = min(bs - offset, n - i)
-            base = block_id * bs + offset
-            result.slots.extend(range(base, base + take))
+            for table, slots in zip(seq.block_tables, result.group_slots):
+                base = table[-1] * bs + offset
+                slots.extend(range(base, base + take))
             seq.token_ids.extend(token_ids[i : i + take])
             i += take
             if caching and seq.num_tokens % bs == 0:
                 block_hash = hash_block_tokens(seq.last_block_hash, seq.token_ids[-bs:], seq.extra_key)
                 seq.block_hashes.append(block_hash)
-                result.new_full_blocks.append((block_id, block_hash))
-                if register:
-                    pool.register_full_block(block_id, block_hash)
-                else:
-                    pool.stage_full_block(block_id, block_hash)
+                for g, table in enumerate(seq.block_tables):
+                    key = self._key(g, block_hash)
+                    result.new_full_blocks.append((table[-1], key))
+                    if register:
+                        pool.register_full_block(table[-1], key)
+                    else:
+                        pool.stage_full_block(table[-1], key)
         return result
 
-    def commit_full_blocks(self, full_blocks: Iterable[tuple[int, int]]) -> None:
+    def append_cached(self, seq: KVSequence, token_ids: SequenceABC[int]) -> AppendResult:
+        """Take `token_ids` (whole blocks, `num_cached_prefix_tokens` of them) from the prefix cache
+        for tokens the forward skips: a sliding group takes only the blocks the continuation reads
+        and leaves NULL_BLOCK before them. Raises `NoFreeBlocksError` untouched if the pool is short,
+        ValueError if the tokens are not cached blocks."""
+        bs, n = self.block_size, len(token_ids)
+        if n % bs or seq.num_tokens % bs:
+            raise ValueError(f"append_cached takes whole blocks of {bs} tokens at a block boundary, got {n} "
+                             f"tokens after {seq.num_tokens}")
+        self._check_room(seq, 0, n)
+        caching = self._start_hashing(seq)
+        if n and not caching:
+            raise ValueError("append_cached on a sequence whose blocks are not hashed (prefix caching off)")
+        start = seq.num_tokens
+        end = start + n
+        self.release(seq, end)
+        result = self._result()
+        for i in range(0, n, bs):
+            block_hash = hash_block_tokens(seq.last_block_hash, token_ids[i : i + bs], seq.extra_key)
+            index = (start + i) // bs
+            keep = [g for g in range(self.num_groups) if index >= self.first_kept_block(g, end)]
+            if not self._acquire_all(seq, block_hash, keep):
+                raise ValueError(f"block {index} of sequence {seq.seq_id} is not in the prefix cache")
+            for g in range(self.num_groups):
+                if g not in keep:
+                    seq.block_tables[g].append(NULL_BLOCK)
+                    seq.num_released[g] += 1
+            seq.block_hashes.append(block_hash)
+            seq.token_ids.extend(token_ids[i : i + bs])
+        for slots in result.group_slots:
+            slots.extend([-1] * n)
+        result.num_cached_tokens = n
+        return result
+
+    def commit_full_blocks(self, full_blocks: Iterable[tuple[int, object]]) -> None:
         """Publish blocks filled by `append_tokens(..., register=False)` now that their K/V are written.
         A block released in between (its sequence finished or was truncated) is skipped."""
         self.pool.publish_staged(full_blocks)
 
     def fork(self, seq: KVSequence, seq_id: int) -> KVSequence:
         """A new sequence sharing every block of `seq` (copy-on-write on the next write)."""
-        self.pool.incref(seq.block_table)
+        self.pool.incref(seq.live_blocks())
         return KVSequence(
             seq_id=seq_id,
             token_ids=list(seq.token_ids),
-            block_table=list(seq.block_table),
+            block_tables=[list(t) for t in seq.block_tables],
+            num_released=list(seq.num_released),
             block_hashes=list(seq.block_hashes),
             extra_key=seq.extra_key,
             is_cacheable=seq.is_cacheable,
@@ -420,22 +525,119 @@ class BlockManager:
         return out
 
     def truncate(self, seq: KVSequence, num_tokens_to_remove: int) -> None:
-        """Drop the last tokens of `seq`, releasing blocks that no longer hold any of its tokens."""
+        """Drop the last tokens of `seq`, releasing blocks that no longer hold any of its tokens.
+
+        Raises:
+            ValueError: more tokens than `seq` holds, or a rollback below what a sliding group kept
+                (its earlier blocks are gone; nothing is changed).
+        """
         if not 0 <= num_tokens_to_remove <= seq.num_tokens:
             raise ValueError(
                 f"cannot remove {num_tokens_to_remove} tokens from sequence {seq.seq_id} of {seq.num_tokens}"
             )
         new_len = seq.num_tokens - num_tokens_to_remove
+        self._tables(seq)
+        for g in self._sliding:
+            if seq.num_released[g] > num_freeable_blocks(new_len, self.windows[g], self.block_size):
+                raise ValueError(
+                    f"cannot roll sequence {seq.seq_id} back to {new_len} tokens: its sliding-window layers "
+                    f"(window {self.windows[g]}) already released the blocks before token "
+                    f"{seq.num_released[g] * self.block_size}; roll back at most {self.lookback} tokens below "
+                    "the length of the last append (BlockManager lookback)"
+                )
         keep = -(-new_len // self.block_size)
-        self.pool.free(reversed(seq.block_table[keep:]))
-        del seq.block_table[keep:]
+        for table in seq.block_tables:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
         del seq.token_ids[new_len:]
         del seq.block_hashes[new_len // self.block_size :]
 
     def free(self, seq: KVSequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks go first so that, once cached, the LRU evicts
         them before the shared prompt blocks that other requests are likelier to reuse."""
-        self.pool.free(reversed(seq.block_table))
-        seq.block_table.clear()
+        for table, released in zip(seq.block_tables, seq.num_released):
+            self.pool.free(reversed(table[released:]))
+        seq.block_tables = [[] for _ in range(self.num_groups)]
+        seq.num_released = [0] * self.num_groups
         seq.token_ids.clear()
         seq.block_hashes.clear()
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _key(group: int, block_hash: int):
+        return block_hash if group == 0 else (group, block_hash)
+
+    def _result(self) -> AppendResult:
+        return AppendResult(group_slots=[[] for _ in range(self.num_groups)])
+
+    def _tables(self, seq: KVSequence) -> list[list[int]]:
+        """`seq`'s tables, one per group (a fresh sequence gets its groups' empty tables)."""
+        if len(seq.block_tables) != self.num_groups:
+            if seq.num_tokens or any(seq.block_tables):
+                raise ValueError(f"sequence {seq.seq_id} has {len(seq.block_tables)} block tables, but this "
+                                 f"BlockManager has {self.num_groups} KV groups")
+            seq.block_tables = [[] for _ in range(self.num_groups)]
+            seq.num_released = [0] * self.num_groups
+        return seq.block_tables
+
+    def _table(self, seq: KVSequence, group: int) -> list[int]:
+        return self._tables(seq)[group]
+
+    def _check_room(self, seq: KVSequence, num_new: int, num_cached: int) -> None:
+        needed = self.num_blocks_needed(seq, num_new, num_cached)
+        if needed > self.pool.num_free_blocks + self.num_releasable(seq, num_cached):
+            raise NoFreeBlocksError(
+                f"sequence {seq.seq_id} needs {needed} more KV blocks but only "
+                f"{self.pool.num_free_blocks} of {self.pool.num_blocks} are free"
+            )
+
+    def release(self, seq: KVSequence, num_tokens: int | None = None) -> None:
+        """Give back the sliding groups' blocks no query at `num_tokens - lookback` or later reads
+        (default: `seq.num_tokens`). Invisible to every query that can still come, so callers may
+        release ahead of an append (a batch releases every row before it sizes its allocation)."""
+        self._tables(seq)
+        if num_tokens is None:
+            num_tokens = seq.num_tokens
+        for g in self._sliding:
+            table = seq.block_tables[g]
+            first = min(self.first_kept_block(g, num_tokens), len(table))
+            released = seq.num_released[g]
+            if first > released:
+                self.pool.free(table[released:first])
+                table[released:first] = [NULL_BLOCK] * (first - released)
+                seq.num_released[g] = first
+
+    def _start_hashing(self, seq: KVSequence) -> bool:
+        """Whether `seq`'s new full blocks are hashed (and may hit the prefix cache)."""
+        pool = self.pool
+        if seq.prefix_epoch is None:
+            seq.prefix_epoch = pool.epoch
+        elif seq.prefix_epoch != pool.epoch and seq.is_cacheable:
+            seq.is_cacheable = False  # alive across a prefix-cache reset: see reset_prefix_cache
+            seq.block_hashes.clear()
+        return pool.enable_prefix_caching and seq.is_cacheable
+
+    def _copy_on_write(self, seq: KVSequence, token_ids: SequenceABC[int], result: AppendResult) -> None:
+        if not (seq.num_tokens % self.block_size and token_ids):
+            return
+        pool = self.pool
+        for table in seq.block_tables:
+            last = table[-1]
+            if pool.ref_count(last) > 1:
+                prev = table[-2] if len(table) > 1 and table[-2] >= 0 else None
+                (new,) = pool.allocate(1, after=prev)
+                result.copies.append((last, new))
+                pool.free([last])
+                table[-1] = new
+            elif pool.block_hash[last] is not None:
+                pool.unregister(last)  # sole owner about to overwrite the tail of a once-full block
+
+    def _acquire_all(self, seq: KVSequence, block_hash: int, groups) -> bool:
+        """Take the cached block of `block_hash` for each of `groups` and append it to their tables,
+        all or none; False (nothing taken) if one is missing."""
+        groups = list(groups)
+        if any(self.pool.lookup(self._key(g, block_hash)) is None for g in groups):
+            return False
+        for g in groups:
+            seq.block_tables[g].append(self.pool.acquire_cached(self._key(g, block_hash)))
+        return True

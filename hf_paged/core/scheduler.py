@@ -84,7 +84,8 @@ class ScheduledRequest:
         request: the request.
         start: position of the first scheduled token (== tokens already in the cache before it).
         token_ids: the tokens fed to the model this step, positions `start .. start+len-1`.
-        slots: one KV slot per token, -1 where the block is a prefix-cache hit (nothing to write).
+        group_slots: per KV group, one KV slot per token, -1 where the block is a prefix-cache hit
+            (nothing to write); `slots` is group 0's.
         samples: True when this chunk reaches the end of `token_ids`, so its last logits yield the
             request's next token; False for a prompt chunk that stops short of it.
         draft_token_ids: speculative tokens appended after the request's last token (the tail of
@@ -94,9 +95,13 @@ class ScheduledRequest:
     request: Request
     start: int
     token_ids: list[int]
-    slots: list[int]
+    group_slots: list[list[int]]
     samples: bool
     draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def slots(self) -> list[int]:
+        return self.group_slots[0]
 
 
 @dataclass
@@ -154,7 +159,9 @@ class Scheduler:
         return self.manager.block_size
 
     def max_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """The most blocks one request of `num_tokens` tokens ever holds at once (every group; a
+        sliding-window group holds its window plus one step's chunk at most)."""
+        return self.manager.max_blocks_for(num_tokens, self.max_num_batched_tokens)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether one request of `num_tokens` tokens fits the pool once everything else is gone."""
@@ -245,12 +252,12 @@ class Scheduler:
             cacheable = prompt[: len(prompt) - 1]
             num_cached = self.manager.num_cached_prefix_tokens(request.seq, cacheable) if request.use_prefix_cache else 0
             num_new = min(len(prompt) - num_cached, budget)
-            blocks = self.manager.num_blocks_needed(request.seq, num_cached + num_new)
+            blocks = self.manager.num_blocks_needed(request.seq, num_new, num_cached_tokens=num_cached)
             if not self.manager.pool.can_allocate(blocks):
                 break  # FIFO: nobody overtakes the head of the queue
             out.num_prefix_query_tokens += len(prompt)
             if num_cached:
-                hit = self.manager.append_tokens(request.seq, cacheable[:num_cached], register=False)
+                hit = self.manager.append_cached(request.seq, cacheable[:num_cached])
                 out.copies.extend(hit.copies)
                 num_cached = hit.num_cached_tokens  # == num_cached: the lookup and the take are one step
                 request.num_computed_tokens = num_cached
@@ -300,7 +307,7 @@ class Scheduler:
         for request in reversed(was_running):  # newest first, so the oldest ends up at the head
             self.preempt(request)
         for request in self.waiting:
-            if request.seq.block_table or request.seq.token_ids:
+            if request.seq.token_ids or any(request.seq.block_tables):
                 self.manager.free(request.seq)
             request.num_computed_tokens = 0
             request.spec_token_ids = []
@@ -317,7 +324,7 @@ class Scheduler:
         out.new_full_blocks.extend(result.new_full_blocks)
         request.num_computed_tokens += num_new
         out.scheduled.append(ScheduledRequest(
-            request=request, start=start, token_ids=tokens, slots=result.slots,
+            request=request, start=start, token_ids=tokens, group_slots=result.group_slots,
             samples=request.num_computed_tokens - len(drafts) == len(request.token_ids),
             draft_token_ids=drafts,
         ))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+NULL_BLOCK = -1  # a table entry whose block no query reads any more (released; never a valid id)
+
 
 @dataclass
 class KVSequence:
@@ -16,9 +18,13 @@ class KVSequence:
     Attributes:
         seq_id: caller-chosen id, unique among live sequences.
         token_ids: tokens whose K/V are stored, in order. Padding is never stored.
-        block_table: physical block ids; token `i` lives in `block_table[i // block_size]`
-            at offset `i % block_size`.
-        block_hashes: chained content hash of each full block, in order (prefix caching).
+        block_tables: one table of physical block ids per KV group (`config.kv_layout`); token `i`
+            of a layer in group `g` lives in `block_tables[g][i // block_size]` at offset
+            `i % block_size`. A sliding-window group's table starts with `num_released[g]` entries
+            `NULL_BLOCK`: blocks no query can read any more, given back to the pool.
+        num_released: per group, how many leading table entries are `NULL_BLOCK`.
+        block_hashes: chained content hash of each full block, in order (prefix caching); one
+            chain for every group, since every group stores the same tokens.
         extra_key: salt mixed into every block hash (adapter, weights version, user salt).
         is_cacheable: False once tokens of unknown identity were stored (a forward fed
             `inputs_embeds`): its blocks are then never hashed, so they can never be shared wrongly.
@@ -27,11 +33,22 @@ class KVSequence:
 
     seq_id: int
     token_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=lambda: [[]])
+    num_released: list[int] = field(default_factory=lambda: [0])
     block_hashes: list[int] = field(default_factory=list)
     extra_key: object = None
     is_cacheable: bool = True
     prefix_epoch: int | None = None
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first group's table (the only one of a model with one attention type)."""
+        return self.block_tables[0]
+
+    def live_blocks(self):
+        """Every block the sequence holds, group by group (NULL_BLOCK entries skipped)."""
+        for table, released in zip(self.block_tables, self.num_released):
+            yield from table[released:]
 
     @property
     def num_tokens(self) -> int:

@@ -122,7 +122,8 @@ class Engine:
         tokenizer: optional; needed for string prompts, `.text` and stop strings.
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one forward (decodes plus prefill chunks).
-        block_size, kv_cache_dtype, kv_quant_scheme, kv_quant_rotation, enable_prefix_caching, cache_salt: see
+        block_size, kv_cache_dtype, kv_quant_scheme, kv_quant_rotation, enable_prefix_caching, enable_hybrid_kv,
+        cache_salt: see
             `PagedCacheConfig` (`kv_cache_dtype` takes the names of `config.KV_CACHE_DTYPES`; a quantised
             cache honours a checkpoint's own `k_scale` / `v_scale`).
         num_blocks: fixed KV pool size in blocks. Default: from `max_kv_bytes`.
@@ -153,6 +154,7 @@ class Engine:
         kv_quant_scheme: str = "dynamic",
         kv_quant_rotation: bool = True,
         enable_prefix_caching: bool = True,
+        enable_hybrid_kv: bool = True,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
         show_progress: bool | None = None,
@@ -180,7 +182,7 @@ class Engine:
         probe = PagedCacheConfig(  # validates the knobs before any sizing
             block_size=block_size, num_blocks=num_blocks, max_kv_bytes=max_kv_bytes, kv_cache_dtype=kv_cache_dtype,
             kv_quant_scheme=kv_quant_scheme, kv_quant_rotation=kv_quant_rotation,
-            enable_prefix_caching=enable_prefix_caching, cache_salt=cache_salt,
+            enable_prefix_caching=enable_prefix_caching, enable_hybrid_kv=enable_hybrid_kv, cache_salt=cache_salt,
         )
         cache_config = replace(probe, max_kv_bytes=None, num_blocks=num_blocks or default_num_blocks(
             model, probe, max_num_seqs, self.max_model_len, self.device))
@@ -396,6 +398,7 @@ class Engine:
             sched = self.scheduler.schedule()
             self._metrics.schedule_seconds += time.perf_counter() - began
             self._metrics.peak_kv_blocks = max(self._metrics.peak_kv_blocks, self.cache.pool.num_used_blocks)
+            self._metrics.peak_num_running = max(self._metrics.peak_num_running, len(self.scheduler.running))
             for request in sched.preempted:
                 self._note_preempted(self._requests[request.request_id])
             if sched.is_empty:
@@ -427,7 +430,7 @@ class Engine:
         return (1 + len(entry.draft_token_ids)) if entry.samples else 0
 
     def _forward(self, sched: SchedulerOutput) -> torch.Tensor:  # [num logit rows, vocab]
-        chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.slots, self._num_logits(e)) for e in sched.scheduled]
+        chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.group_slots, self._num_logits(e)) for e in sched.scheduled]
         began = time.perf_counter()
         logits = self.runner.forward(chunks, sched.copies, sched.new_full_blocks)
         self._metrics.forward_seconds += time.perf_counter() - began

@@ -34,7 +34,7 @@ def default_num_blocks(model: torch.nn.Module, probe: PagedCacheConfig, max_num_
             budget = int(free * DEFAULT_KV_FRACTION_CUDA)
         else:
             budget = DEFAULT_KV_BYTES_CPU
-    most_ever = max_num_seqs * -(-min(max_model_len, 1 << 20) // probe.block_size)
+    most_ever = max_num_seqs * cache.manager.max_blocks_for(min(max_model_len, 1 << 20))  # every KV group
     num_blocks = min(budget // bytes_per_block, most_ever)
     if num_blocks < 1:
         raise ValueError(f"max_kv_bytes={budget} is smaller than one KV block ({bytes_per_block} bytes)")

@@ -134,6 +134,7 @@ class EngineMetrics:
         self.num_requests_waiting = 0
         self.kv_cache_usage_perc = 0.0
         self.peak_kv_blocks = 0  # most blocks in use right after any step's scheduling
+        self.peak_num_running = 0  # most requests running at once, right after any step's scheduling
         # Speculative decoding (one "draft" = one request's k drafts verified in one target forward).
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0

@@ -1,6 +1,7 @@
 """`PagedCache`: a transformers `Cache` whose K/V live in a pool of fixed-size blocks.
 
-KV layout (one pair of tensors per layer, shared block ids across layers):
+KV layout (one pair of tensors per storage slot, one per layer for a model with full attention
+only; block ids are shared by every layer):
 
     key_cache / value_cache: [num_blocks, block_size, num_kv_heads, head_dim]   (V: head_dim_v)
 
@@ -15,6 +16,12 @@ KV layout (one pair of tensors per layer, shared block ids across layers):
 
 Nothing is sized for the maximum length: a sequence holds ceil(len / block_size) blocks, so waste
 is at most block_size - 1 tokens per sequence, and padding in a batch holds no slot at all.
+
+Models that mix sliding-window and full-attention layers (Gemma 2/3, gpt-oss, Qwen2 with sliding
+layers; Mistral slides everywhere) keep one block table per KV group of layers
+(`config.kv_layout`): a sliding group releases the blocks that fell out of its window, and
+layers of different groups share storage slots, so one block id is the same bytes whichever group
+holds it and one pool serves them all.
 Sequences that share a prompt share its full blocks (prefix caching, hash-chained) and forks share
 everything until one of them writes (copy-on-write). K and V keep the head widths of the states the
 model stores: multi-head latent attention (DeepSeek-V2/V3) stores its `kv_lora_rank`-wide latent and
@@ -42,10 +49,11 @@ from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from ..attention.torch_paged import Workspace, gather_dense
 from ..config import PagedCacheConfig, kv_bytes_per_token_layer
 from ..core import BlockManager, BlockPool, KVSequence
+from ..config import kv_layout
 from . import pool_sizing
 from .padding import real_columns, real_tokens
 from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
-                      layer_types_of)
+                      layer_types_of, layer_windows_of)
 from .weights import WeightsEpoch
 
 logger = logging.getLogger(__name__)
@@ -58,10 +66,12 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: "PagedCache", is_sliding: bool = False):
+    def __init__(self, cache: "PagedCache", is_sliding: bool = False, group: int = 0, slot: int = 0):
         super().__init__()
         self._cache = cache
         self.is_sliding = is_sliding
+        self.group = group  # its KV group: which block table of each sequence it reads
+        self.slot = slot  # its storage slot: layers of other groups in the same slot share its tensors
         # A quantised layer's scales and scheme (`kv_quant.KVScales`), set with its tensors; None unquantised.
         self.scales: KVScales | None = None
         self.quant: KVQuant | None = None  # set before initialisation (a checkpoint's static scales)
@@ -72,6 +82,21 @@ class PagedLayer(CacheLayerMixin):
         dtype = cache.kv_dtype or key_states.dtype
         self.device = key_states.device
         num_kv_heads = key_states.shape[1]
+        owner = cache.slot_owner(self.slot)
+        if owner is not None:  # another group's layer already holds this slot's tensors: share them
+            shape = (num_blocks, block_size, num_kv_heads, key_states.shape[3])
+            if tuple(owner.keys.shape) != shape or owner.values.shape[2:] != value_states.shape[1:4:2] \
+                    or owner.keys.dtype != dtype or owner.device != self.device:
+                raise ValueError(
+                    f"hf_paged: layers sharing KV storage slot {self.slot} differ in K/V shape, dtype or device "
+                    f"({tuple(owner.keys.shape)} {owner.keys.dtype} vs {shape} {dtype}); this model's sliding and "
+                    "full layers cannot share one block pool"
+                )
+            self.keys, self.values = owner.keys, owner.values
+            if owner.scales is not None:
+                self.scales = KVScales(owner.scales.key, owner.scales.value, self.quant or cache.default_quant)
+            self.is_initialized = True
+            return
         # zeros, not empty: padding columns of the dense path read never-written slots
         self.keys = torch.zeros(num_blocks, block_size, num_kv_heads, key_states.shape[3], dtype=dtype,
                                 device=self.device)
@@ -99,9 +124,15 @@ class PagedLayer(CacheLayerMixin):
     def value_scales(self) -> torch.Tensor | None:
         return None if self.scales is None else self.scales.value
 
-    def resize(self, num_blocks: int) -> None:
-        """Grow the block dimension to `num_blocks`, keeping existing blocks and their scales (pool growth only)."""
+    def resize(self, num_blocks: int, like: "PagedLayer | None" = None) -> None:
+        """Grow the block dimension to `num_blocks`, keeping existing blocks and their scales (pool
+        growth only); with `like`, a layer of the same slot already resized, share its new tensors."""
         if not self.is_initialized or self.keys.shape[0] == num_blocks:
+            return
+        if like is not None:
+            self.keys, self.values = like.keys, like.values
+            if self.scales is not None:
+                self.scales.key, self.scales.value = like.scales.key, like.scales.value
             return
         for owner, name in self._tensors():
             old = getattr(owner, name)
@@ -166,7 +197,12 @@ class PagedCache(Cache):
             raise TypeError("pass either cache_config or keyword overrides, not both")
         check_model_supported(config)
         self.cache_config = cache_config or PagedCacheConfig(**overrides)
-        super().__init__(layers=[PagedLayer(self, is_sliding=t == "sliding_attention") for t in layer_types_of(config)])
+        windows = layer_windows_of(config)
+        self.layout = kv_layout(windows if self.cache_config.enable_hybrid_kv else [None] * len(windows))
+        super().__init__(layers=[
+            PagedLayer(self, is_sliding=t == "sliding_attention", group=g, slot=slot)
+            for t, g, slot in zip(layer_types_of(config), self.layout.layer_group, self.layout.layer_slot)
+        ])
         self.block_size = self.cache_config.block_size
         spec = self.cache_config.kv_dtype
         self.kv_dtype = None if spec.storage is None else getattr(torch, spec.storage)
@@ -177,7 +213,7 @@ class PagedCache(Cache):
         self.has_latent_kv = has_latent_kv(config)
         self._config_kv_shapes = kv_head_shapes(config)  # (num_kv_heads, head_dim, head_dim_v)
         self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
-        self.manager = BlockManager(self.pool, self.block_size)
+        self.manager = BlockManager(self.pool, self.block_size, self.layout.windows or (None,))
         self.seqs: list[KVSequence] = []
         self._num_columns = 0  # what transformers sees as the cache length (padding included)
         self._step: StepMetadata | None = None
@@ -231,19 +267,24 @@ class PagedCache(Cache):
             self._num_columns = step.num_columns
         step.layers_done.add(layer_idx)
         layer = self.layers[layer_idx]
+        step.active_layer = layer_idx
         if not layer.is_initialized:
             if step.mode == PAGED and self.kv_dtype is not None:  # an engine step: first sight of the dtype
                 dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device,
                                                   self.cache_config.kv_quant_scheme)
             layer.lazy_initialization(key_states, value_states)
-        slot_mapping = step.slot_mapping.to(layer.device)
+        slot_mapping = step.slot_mapping_of(layer.group).to(layer.device)
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
                           step.has_skipped_slots, scales=layer.scales)
         if step.mode == PAGED:
-            if layer.scales is not None:  # the attention finds a quantised layer's scales by its payload
-                step.kv_scales[id(layer.keys)] = layer.scales
+            if layer.scales is not None:  # the attention finds a quantised layer's scales by its layer index
+                step.kv_scales[layer_idx] = layer.scales
             return layer.keys, layer.values
-        return gather_dense(layer.keys, layer.values, step, key_states.dtype, scales=layer.scales)
+        first_kept = None
+        if self.layout.is_hybrid and self.layout.windows[layer.group] is not None:
+            first_kept = [seq.num_released[layer.group] * self.block_size for seq in self.seqs]
+        return gather_dense(layer.keys, layer.values, step, key_states.dtype, scales=layer.scales, group=layer.group,
+                            first_kept=first_kept)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row `i` continues old row `beam_idx[i]`; repeated rows share blocks (CoW)."""
@@ -342,14 +383,14 @@ class PagedCache(Cache):
         slots, copies = [], []
         for seq, tokens in zip(seqs, new_tokens):
             result = self.manager.append_tokens(seq, tokens)
-            slots.append(result.slots)
+            slots.append(result.group_slots)
             copies.extend(result.copies)
         self._apply_copies(copies)
         try:
             step = build_step_metadata(
-                mode=mode, q_len=q_len, num_columns=self._num_columns + q_len, real_cols=real_cols, slots=slots,
-                block_tables=[seq.block_table for seq in self.seqs], seq_lens=[seq.num_tokens for seq in self.seqs],
-                copies=copies, device=device,
+                mode=mode, q_len=q_len, num_columns=self._num_columns + q_len, real_cols=real_cols,
+                seq_lens=[seq.num_tokens for seq in self.seqs], copies=copies, device=device,
+                **self.group_fields(slots, self.seqs),
             )
         except BaseException:
             self.pool.reset_prefix_cache()  # the blocks just filled were hashed but will never be written
@@ -398,42 +439,73 @@ class PagedCache(Cache):
         of n continuing a prompt computed once."""
         return self.manager.fork(seq, self._next_id())
 
+    def group_fields(self, group_slots: list[list[list[int]]], seqs: list[KVSequence]) -> dict:
+        """The metadata builders' per-group arguments for sequences `seqs` whose appends returned
+        `group_slots` (per sequence, per group)."""
+        groups = range(self.manager.num_groups)
+        return dict(group_slots=[[row[g] for row in group_slots] for g in groups],
+                    group_block_tables=[[seq.block_tables[g] for seq in seqs] for g in groups],
+                    layer_group=self.layout.layer_group or None, group_windows=self.manager.windows)
+
+    def slot_owner(self, slot: int) -> "PagedLayer | None":
+        """An initialised layer holding storage slot `slot`'s tensors, if any."""
+        for layer in self.layers:
+            if layer.slot == slot and layer.is_initialized:
+                return layer
+        return None
+
     def _step_is_unfinished(self) -> bool:
         return self._step is not None and len(self._step.layers_done) < len(self.layers)
 
     def _ensure_free_blocks(self, seqs: list[KVSequence], new_tokens: list[list[int]], dtype: torch.dtype) -> None:
         """Grow the pool (and every layer's tensors) until this step's new blocks are free."""
-        needed = sum(self.manager.num_blocks_needed(seq, len(t)) for seq, t in zip(seqs, new_tokens))
-        if needed <= self.pool.num_free_blocks:
+        manager = self.manager
+        for seq in seqs:  # sliding-window blocks no query reads any more, from every row before any allocates
+            manager.release(seq)
+        needed = sum(manager.num_blocks_needed(seq, len(t)) for seq, t in zip(seqs, new_tokens))
+        free = self.pool.num_free_blocks
+        if needed <= free:
             return
         target = pool_sizing.growth_target(
-            num_blocks=self.pool.num_blocks, num_free_blocks=self.pool.num_free_blocks, num_needed=needed,
+            num_blocks=self.pool.num_blocks, num_free_blocks=free, num_needed=needed,
+            seq_blocks=[manager.num_blocks_held(seq, len(t)) for seq, t in zip(seqs, new_tokens)],
             seq_totals=[seq.num_tokens + len(t) for seq, t in zip(seqs, new_tokens)], block_size=self.block_size,
             limit=pool_sizing.max_num_blocks(self.cache_config, self.bytes_per_block(dtype)),
             reason=pool_sizing.limit_reason(self.cache_config),
         )
         self.pool.grow(target - self.pool.num_blocks)
+        resized: dict[int, PagedLayer] = {}
         for layer in self.layers:
-            layer.resize(self.pool.num_blocks)
+            layer.resize(self.pool.num_blocks, like=resized.get(layer.slot))
+            if layer.is_initialized:
+                resized.setdefault(layer.slot, layer)
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V one block takes across all layers: measured once every layer holds its
         tensors, else from the config's K/V head shapes (`support.kv_head_shapes`)."""
-        initialized = [layer for layer in self.layers if layer.is_initialized]
-        if len(initialized) == len(self.layers):
-            return sum(layer.bytes_per_block() for layer in self.layers)
+        owners = self._slot_owners()
+        if len(owners) == self.layout.num_slots:
+            return sum(layer.bytes_per_block() for layer in owners)
         itemsize = torch.empty(0, dtype=dtype or torch.float32).element_size()
         num_kv_heads, head_dim, head_dim_v = self._config_kv_shapes
         per_token = kv_bytes_per_token_layer(num_kv_heads, head_dim, head_dim_v, self.cache_config.kv_dtype,
                                              self.cache_config.kv_quant_scheme, itemsize)
-        return self.block_size * per_token * len(self.layers)
+        return self.block_size * per_token * self.layout.num_slots
+
+    def _slot_owners(self) -> list["PagedLayer"]:
+        """One initialised layer per storage slot that has tensors (a slot's layers share them)."""
+        owners: dict[int, PagedLayer] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                owners.setdefault(layer.slot, layer)
+        return list(owners.values())
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         src = torch.tensor([s for s, _ in copies], dtype=torch.long)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long)
-        for layer in self.layers:
+        for layer in self._slot_owners():  # a block's bytes in every slot, whichever group holds it
             layer.copy_blocks(src, dst)
 
     # ------------------------------------------------------------------ sequences
@@ -495,12 +567,15 @@ class PagedCache(Cache):
             num_shared_blocks (held by more than one sequence), num_cached_blocks (hashed, reusable),
             prefix_cache_hits (blocks taken from the cache instead of recomputed),
             bytes_per_token, kv_bytes (used blocks), kv_bytes_reserved (whole pool),
-            waste_tokens (allocated but empty slots, summed over sequences), max_waste_tokens_per_seq.
+            waste_tokens (allocated but empty slots, summed over sequences and KV groups),
+            max_waste_tokens_per_seq (the most of one sequence in one group's table).
+        A block is the K/V of `layout.num_slots` layers (all of them for a one-group model), so
+        `bytes_per_token` is per token of one group's table.
         """
         bs = self.block_size
-        used = {b for seq in self.seqs for b in seq.block_table}
+        used = {b for seq in self.seqs for b in seq.live_blocks()}
         shared = {b for b in used if self.pool.ref_count(b) > 1}
-        waste = [len(seq.block_table) * bs - seq.num_tokens for seq in self.seqs]
+        waste = [len(t) * bs - seq.num_tokens for seq in self.seqs for t in seq.block_tables]  # per seq and group
         bpb = self.bytes_per_block() if any(layer.is_initialized for layer in self.layers) else 0
         return {
             "block_size": bs,

@@ -29,11 +29,13 @@ def limit_reason(cache_config: PagedCacheConfig) -> str:
 
 
 def growth_target(*, num_blocks: int, num_free_blocks: int, num_needed: int, seq_totals: list[int],
-                  block_size: int, limit: int | None, reason: str) -> int:
+                  block_size: int, limit: int | None, reason: str, seq_blocks: list[int] | None = None) -> int:
     """The pool size (in blocks) that gives a step its `num_needed` free blocks.
 
     Args:
         seq_totals: per sequence of the step, the tokens it holds after the step.
+        seq_blocks: per sequence, the blocks it holds during the step, every KV group counted
+            (default: one group, `ceil(total / block_size)`).
         limit, reason: from `max_num_blocks` / `limit_reason`.
 
     Raises:
@@ -41,8 +43,7 @@ def growth_target(*, num_blocks: int, num_free_blocks: int, num_needed: int, seq
         NoFreeBlocksError: the pool at its limit has too few free blocks right now.
     """
     if limit is not None:
-        for total in seq_totals:
-            blocks = -(-total // block_size)
+        for total, blocks in zip(seq_totals, seq_blocks or [-(-t // block_size) for t in seq_totals]):
             if blocks > limit:
                 raise ValueError(
                     f"a sequence of {total} tokens needs {blocks} blocks of {block_size} tokens, but the "

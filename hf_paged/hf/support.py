@@ -79,6 +79,18 @@ def layer_types_of(config) -> list[str]:
     return getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
 
 
+def layer_windows_of(config) -> list[int | None]:
+    """Per decoder layer, the sliding window its attention uses (None: full attention), the way
+    transformers' `DynamicCache` reads the config: `layer_types` when given, else every layer slides
+    when the config sets `sliding_window` (Mistral, Phi-3)."""
+    text = config.get_text_config(decoder=True)
+    types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if types is None:
+        return [window] * text.num_hidden_layers
+    return [window if t == "sliding_attention" else None for t in types]
+
+
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose forward takes `input_ids`, `attention_mask` and the cache (the base model of a
     `*ForCausalLM`), or the model itself when it has no separate decoder."""

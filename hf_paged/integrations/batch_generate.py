@@ -45,6 +45,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..config import PagedCacheConfig, check_pool_fits
 from ..engine import Engine
+from ..hf import PagedCache
 from ..hf.support import has_latent_kv
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
 
@@ -215,12 +216,12 @@ def _engine_kwargs(model, batch_size: int, max_len: int) -> dict:
     most stock generate would hold); every row runs at once."""
     cfg = getattr(model, "hf_paged_cache_config", None) or PagedCacheConfig()
     num_blocks = cfg.num_blocks
-    if num_blocks is None and cfg.max_kv_bytes is None:
-        num_blocks = batch_size * -(-max_len // cfg.block_size)
+    if num_blocks is None and cfg.max_kv_bytes is None:  # every KV group of every row at full length
+        num_blocks = batch_size * PagedCache(model.config, cfg).manager.max_blocks_for(max_len)
     return dict(
         max_num_seqs=batch_size, block_size=cfg.block_size, num_blocks=num_blocks, max_kv_bytes=cfg.max_kv_bytes,
         kv_cache_dtype=cfg.kv_cache_dtype, kv_quant_scheme=cfg.kv_quant_scheme, kv_quant_rotation=cfg.kv_quant_rotation,
-        enable_prefix_caching=cfg.enable_prefix_caching,
+        enable_prefix_caching=cfg.enable_prefix_caching, enable_hybrid_kv=cfg.enable_hybrid_kv,
         cache_salt=cfg.cache_salt, max_model_len=max(max_len, 2),
     )
 

@@ -70,6 +70,9 @@ def add_subcommands(subparsers) -> None:
                       help="weight dtype (default bfloat16)")
     pl.add_argument("--kv-dtype", default="bfloat16",
                       help="KV cache dtype (default bfloat16)")
+    pl.add_argument("--step-tokens", type=int, default=1,
+                    help="tokens the step reaching seq-len writes: 1 while decoding (default), a prefill chunk "
+                         "while prefilling; a sliding-window layer holds its window plus these")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(sizing_handler=run_plan)
 
@@ -180,7 +183,7 @@ def run_plan(args) -> int:
     result = sizing.plan(shape, memory_bytes=int(memory_gb * GB) if memory_gb else None,
                          utilization=args.utilization, seq_len=args.seq_len, block_size=args.block_size,
                          max_seq_len=args.max_seq_len, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
-                         kv_budget_bytes=args.kv_budget)
+                         kv_budget_bytes=args.kv_budget, step_tokens=args.step_tokens)
     if args.json:
         _print_json(result.to_dict())
         return 0
@@ -193,12 +196,16 @@ def run_plan(args) -> int:
         [f"KV budget ({args.kv_dtype})", _gb(r.kv_budget_bytes)],
         [f"bytes per block ({r.block_size} tokens)", f"{r.bytes_per_block:,}"],
         ["KV blocks", f"{r.num_blocks:,}"],
-        [f"blocks per sequence of {r.seq_len:,} tokens", f"{r.blocks_per_seq:,}"],
+        [f"blocks per sequence of {r.seq_len:,} tokens ({r.num_kv_groups} KV group"
+         f"{'s' if r.num_kv_groups > 1 else ''}, step of {r.step_tokens})", f"{r.blocks_per_seq:,}"],
         [f"sequences of {r.seq_len:,} tokens, paged", f"{r.num_seqs_paged:,}"],
         [f"sequences, contiguous at max length {r.max_seq_len:,}", f"{r.num_seqs_contiguous:,}"],
         ["paging gain", gain],
+        *([["sequences if every layer kept every token", f"{r.num_seqs_without_hybrid:,}"],
+           ["sliding-window gain", f"{r.num_seqs_paged / r.num_seqs_without_hybrid:.2f}x"
+            if r.num_seqs_without_hybrid else "-"]] if r.num_kv_groups > 1 else []),
         ["contiguous waste", f"{_gb(r.contiguous_waste_bytes)} ({r.contiguous_waste_fraction:.1%} of each allocation)"],
-        ["paged waste (last partial block)", _gb(r.paged_waste_bytes)],
+        ["paged waste (partial blocks)", _gb(r.paged_waste_bytes)],
     ]
     print(f"plan for {shape.name}")
     print(_table(["quantity", "value"], rows))

@@ -30,6 +30,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..config import blocks_held, kv_layout
 from ..config import (KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_bytes_per_token_layer, kv_cache_dtype,
                       kv_scale_bytes_per_token_layer)
 
@@ -48,7 +49,7 @@ REFERENCE_CONFIG_DIR = Path(__file__).parent / "reference_configs"
 _REFERENCE_ALIASES = {
     "meta-llama-3-70b": "llama-3-70b", "llama3-70b": "llama-3-70b",
     "meta-llama-3-8b": "llama-3-8b", "llama3-8b": "llama-3-8b",
-    "mistral-7b-v0.1": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b", "smollm2-135m-instruct": "smollm2-135m",
+    "gemma-3-4b-it": "gemma-3-4b", "mistral-7b-v0.1": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b", "smollm2-135m-instruct": "smollm2-135m",
 }
 
 
@@ -495,8 +496,10 @@ def roofline(shape: ModelShape, gpu: GPU, *, seq_len: int = 1024, batch_sizes=DE
 # ---------------------------------------------------------------------------------------------- plan
 @dataclass(frozen=True)
 class Plan:
-    """What fits in one GPU. Blocks follow `PagedCache`'s layout: a block holds `block_size` tokens
-    in every layer (no sliding-window saving), bytes_per_block = block_size * kv_bytes_per_token."""
+    """What fits in one GPU. Blocks follow `PagedCache`'s layout (`config.kv_layout`): a
+    block holds `block_size` tokens of one layer per storage slot, bytes_per_block = block_size *
+    kv_bytes_per_layer_token * num_slots (every layer for a model with full attention only); a
+    sequence holds `blocks_held` blocks per KV group, the equation the cache frees by."""
 
     model: str
     memory_bytes: int
@@ -508,12 +511,15 @@ class Plan:
     num_blocks: int
     seq_len: int
     max_seq_len: int
-    blocks_per_seq: int
-    num_seqs_paged: int  # num_blocks // ceil(seq_len / block_size)
+    blocks_per_seq: int  # every KV group, while the step that brings it to seq_len writes step_tokens
+    num_seqs_paged: int  # num_blocks // blocks_per_seq
     num_seqs_contiguous: int  # kv_budget // (max_seq_len * bytes_per_token)
     contiguous_waste_bytes: int  # reserved but never written by those contiguous sequences
     contiguous_waste_fraction: float  # 1 - seq_len / max_seq_len
-    paged_waste_bytes: int  # the last, partly filled block of each paged sequence
+    paged_waste_bytes: int  # slots of held blocks beyond the tokens each group must keep
+    num_kv_groups: int = 1
+    step_tokens: int = 1
+    num_seqs_without_hybrid: int = 0  # the same with every layer keeping every token (enable_hybrid_kv=False)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -521,14 +527,18 @@ class Plan:
 
 def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: float = 0.9, seq_len: int,
          block_size: int = 16, max_seq_len: int | None = None, weight_dtype: str = "bfloat16",
-         kv_dtype: str = "bfloat16", kv_budget_bytes: int | None = None) -> Plan:
+         kv_dtype: str = "bfloat16", kv_budget_bytes: int | None = None, step_tokens: int = 1) -> Plan:
     """How many KV blocks and sequences fit.
 
         kv_budget   = floor(memory_bytes * utilization) - weight_bytes     (or `kv_budget_bytes`)
-        num_blocks  = kv_budget // (block_size * kv_bytes_per_token)
-        paged       = num_blocks // ceil(seq_len / block_size)
+        num_blocks  = kv_budget // (block_size * kv_bytes_per_layer_token * num_slots)
+        per seq     = sum over KV groups of blocks_held(seq_len - step_tokens, window, block_size,
+                                                         new_tokens=step_tokens)
+        paged       = num_blocks // per seq
         contiguous  = kv_budget // (max_seq_len * kv_bytes_per_token)      every sequence reserves max_seq_len
 
+    `step_tokens`: tokens the step that brings a sequence to `seq_len` writes (1: decoding; a
+    prefill chunk while prefilling). A sliding group holds its window plus that step's tokens.
     `max_seq_len` defaults to the config's max_position_embeddings (else `seq_len`).
     """
     _check_positive(block_size=block_size, seq_len=seq_len)
@@ -554,12 +564,18 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
     else:
         _check_positive(kv_budget=kv_budget_bytes)
         memory_bytes = memory_bytes or 0
+    if isinstance(step_tokens, bool) or not isinstance(step_tokens, int) or not 1 <= step_tokens <= seq_len:
+        raise ValueError(f"step-tokens must be an integer in [1, seq-len], got {step_tokens!r}")
     per_token = kv_bytes_per_token(shape, kv_dtype)
-    per_block = block_size * per_token
+    layout = kv_layout(shape.layer_windows or (None,) * shape.num_layers)
+    per_block = block_size * kv_bytes_per_layer_token(shape, kv_dtype) * layout.num_slots
     num_blocks = kv_budget_bytes // per_block
-    blocks_per_seq = -(-seq_len // block_size)
+    blocks_per_seq = sum(blocks_held(seq_len - step_tokens, w, block_size, new_tokens=step_tokens)
+                         for w in layout.windows)
+    kept_tokens = sum(seq_len if w is None else min(seq_len, w - 1 + step_tokens) for w in layout.windows)
     contiguous = kv_budget_bytes // (max_seq_len * per_token)
     paged = num_blocks // blocks_per_seq
+    without_hybrid = (kv_budget_bytes // (block_size * per_token)) // -(-seq_len // block_size)
     return Plan(
         model=shape.name, memory_bytes=memory_bytes, utilization=utilization, weight_bytes=weights,
         kv_budget_bytes=kv_budget_bytes, block_size=block_size, bytes_per_block=per_block, num_blocks=num_blocks,
@@ -567,5 +583,6 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
         num_seqs_contiguous=contiguous,
         contiguous_waste_bytes=contiguous * (max_seq_len - seq_len) * per_token,
         contiguous_waste_fraction=1 - seq_len / max_seq_len,
-        paged_waste_bytes=paged * (blocks_per_seq * block_size - seq_len) * per_token,
+        paged_waste_bytes=paged * (blocks_per_seq * block_size - kept_tokens) * per_block // block_size,
+        num_kv_groups=len(layout.groups), step_tokens=step_tokens, num_seqs_without_hybrid=without_hybrid,
     )

@@ -13,7 +13,7 @@ import copy
 import torch
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..config import DEFAULT_BLOCK_SIZE, PagedCacheConfig
+from ..config import DEFAULT_BLOCK_SIZE, MAX_SPECULATIVE_TOKENS, PagedCacheConfig
 from ..core import KVSequence
 from ..hf import PagedCache, decoder_of
 from ..worker import Chunk, ModelRunner
@@ -41,6 +41,9 @@ class DraftModelProposer:
                                                  kv_quant_rotation=kv_quant_rotation))
         self.cache.use_checkpoint_kv_scales(model)
         self.manager = self.cache.manager
+        # It appends its own drafts before the target verifies them, then rolls back the rejected ones:
+        # a sliding-window layer must keep what a rollback of a whole draft would read again.
+        self.manager.lookback = MAX_SPECULATIVE_TOKENS
         self.runner = ModelRunner(model, self.cache)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.seqs: dict[str, KVSequence] = {}
@@ -69,7 +72,7 @@ class DraftModelProposer:
             result = self.manager.append_tokens(seq, feed, register=False)
             copies.extend(result.copies)
             full.extend(result.new_full_blocks)
-            chunks.append(Chunk(seq, common, feed, result.slots, 1))
+            chunks.append(Chunk(seq, common, feed, result.group_slots, 1))
             active.append(i)
         for step in range(max((requests[i].num_tokens for i in active), default=0)):
             if step:
@@ -82,7 +85,7 @@ class DraftModelProposer:
                     result = self.manager.append_tokens(seq, proposals[i].token_ids[-1:], register=False)
                     copies.extend(result.copies)
                     full.extend(result.new_full_blocks)
-                    chunks.append(Chunk(seq, seq.num_tokens - 1, proposals[i].token_ids[-1:], result.slots, 1))
+                    chunks.append(Chunk(seq, seq.num_tokens - 1, proposals[i].token_ids[-1:], result.group_slots, 1))
                     still.append(i)
                 active = still
             if not active:

@@ -31,7 +31,7 @@ class Chunk:
         seq: the block manager's record, already extended by this chunk (`append_tokens` ran).
         start: position of the first token (tokens already in the cache before this chunk).
         token_ids: the tokens fed, positions `start .. start + len - 1`.
-        slots: KV slot per token (-1: prefix-cache hit, nothing to write).
+        group_slots: per KV group, the KV slot of each token (-1: prefix-cache hit, nothing to write).
         num_logits: how many of the last positions need logits (0 for a prompt chunk that stops
             short, 1 to sample, k + 1 to verify k speculative tokens).
     """
@@ -39,7 +39,7 @@ class Chunk:
     seq: KVSequence
     start: int
     token_ids: list[int]
-    slots: list[int]
+    group_slots: list[list[int]]
     num_logits: int
 
 
@@ -75,11 +75,10 @@ class ModelRunner:
             keep.extend(range(end - chunk.num_logits, end))
         meta = build_packed_metadata(
             q_lens=[len(c.token_ids) for c in chunks],
-            slots=[c.slots for c in chunks],
-            block_tables=[c.seq.block_table for c in chunks],
             seq_lens=[c.seq.num_tokens for c in chunks],
             copies=copies,
             device=self.device,
+            **self.cache.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks]),
         )
         ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)

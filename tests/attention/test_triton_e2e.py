@@ -58,3 +58,28 @@ def test_generate_with_triton_kernels_matches_stock(name, monkeypatch):
     assert used.count("flash_prefill") == layers and used.count("paged_decode") == layers * 5
     assert dispatch.backend(torch.device("cpu")) == "triton"
     assert cache_of(out).stats()["num_tokens"] == 45 + 3 * 5
+
+
+def test_hybrid_sliding_model_with_triton_kernels_matches_stock(monkeypatch):
+    """Sliding and full layers keep their own block tables (the sliding one releases what leaves
+    the window): the kernels read each layer's group tables, drop-in and in the engine's packed,
+    chunked steps, over sequences longer than 3x the window."""
+    model = _model(Qwen2ForCausalLM, Qwen2Config, use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                   layer_types=["full_attention", "sliding_attention"])
+    input_ids, attention_mask = left_padded_batch([5, 23, 19], seed=2)
+    kwargs = dict(max_new_tokens=14, min_new_tokens=14, do_sample=False, return_dict_in_generate=True)
+    ref = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    model.set_attn_implementation("hf_paged")
+    model.hf_paged_use_engine = False
+    model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=4)
+    out = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    cache = cache_of(out)
+    assert len(cache.layout.groups) == 2 and all(seq.num_released[1] > 0 for seq in cache.seqs)
+
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+    engine = hf_paged.Engine(model, block_size=4, max_num_batched_tokens=9)
+    outs = engine.generate(prompts, hf_paged.SamplingParams(max_new_tokens=14, min_new_tokens=14))
+    width = input_ids.shape[1]
+    assert [o.token_ids for o in outs] == ref.sequences[:, width:].tolist()

@@ -4,6 +4,8 @@ speculative rollback, drop-in generate) with one-byte blocks."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -340,8 +342,8 @@ def test_rotation_leaves_attention_unchanged_and_shrinks_int8_error():
         dispatch.store_kv(k, v, kc, vc, slots, scales=scales)
         got = dispatch.paged_attention(q, kc, vc, bt, seq_lens, cu, 1, 12, 0.125, scales=scales)
         errors[rotate] = (got - want).abs().max().item()
-        step = type("Step", (), dict(dense_index=None, num_columns=12, num_padding=torch.tensor([0, 2, 5]),
-                                     block_tables=bt))()
+        step = SimpleNamespace(dense_index={}, num_columns=12, num_padding=torch.tensor([0, 2, 5]),
+                               block_tables_of=lambda group: bt)
         gk, gv = torch_paged.gather_dense(kc, vc, step, torch.float32, scales=scales)  # [3, heads, 12, dim]
         torch.testing.assert_close(gk[0].transpose(0, 1), k[:12], atol=0.2, rtol=0.02)
         torch.testing.assert_close(gv[0].transpose(0, 1), v[:12], atol=0.05, rtol=0.05)

@@ -288,3 +288,46 @@ def test_bad_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     rc, _, err = run_cli(capsys, "kv-size", str(tmp_path))
     assert rc == 2 and "num_hidden_layers" in err
+
+
+def _gemma3_style_config():
+    return AutoConfig.for_model(
+        "gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=24, max_position_embeddings=512,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])
+
+
+@pytest.mark.parametrize("seq_len", [40, 97])
+def test_plan_counts_sliding_groups_like_the_cache(seq_len):
+    """The planner's blocks per sequence are the cache's: for a prefill in one step (step_tokens =
+    seq_len) against PagedCache itself, and for decoding (step_tokens = 1) against the block manager
+    growing sequences token by token."""
+    config, block_size, budget = _gemma3_style_config(), 4, 400_000
+    shape = ModelShape.from_config(config.to_dict())
+    prefill = sizing.plan(shape, kv_budget_bytes=budget, seq_len=seq_len, block_size=block_size,
+                          kv_dtype="float32", step_tokens=seq_len)
+    cache = PagedCache(config, block_size=block_size, max_kv_bytes=budget)
+    assert prefill.num_kv_groups == len(cache.layout.groups) == 6
+    assert cache.bytes_per_block(torch.float32) == prefill.bytes_per_block
+    n = prefill.num_seqs_paged
+    assert n > 0 and _fits(config, budget, block_size, n, seq_len) and not _fits(config, budget, block_size, n + 1, seq_len)
+
+    decode = sizing.plan(shape, kv_budget_bytes=budget, seq_len=seq_len, block_size=block_size, kv_dtype="float32")
+    assert decode.num_seqs_paged > prefill.num_seqs_paged  # sliding layers keep only their window
+    assert decode.num_seqs_without_hybrid == prefill.num_seqs_without_hybrid
+    from hf_paged.core import BlockManager, BlockPool, KVSequence, NoFreeBlocksError
+
+    def grows(num_seqs):
+        manager = BlockManager(BlockPool(decode.num_blocks), block_size, cache.layout.windows)
+        seqs = [KVSequence(i) for i in range(num_seqs)]
+        try:
+            for i, seq in enumerate(seqs):
+                for t in range(seq_len):
+                    manager.append_tokens(seq, [1000 * i + t])
+        except NoFreeBlocksError:
+            return False
+        return True
+
+    assert grows(decode.num_seqs_paged) and not grows(decode.num_seqs_paged + 1)
+    with pytest.raises(ValueError, match="step-tokens"):
+        sizing.plan(shape, kv_budget_bytes=budget, seq_len=seq_len, step_tokens=seq_len + 1)

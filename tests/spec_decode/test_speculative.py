@@ -18,7 +18,7 @@ from hf_paged.spec_decode import (
 )
 from hf_paged.worker import SamplingState, sample_processed
 from stats import chi2_critical, chi2_statistic
-from tiny_models import STOCK_ATTN, VOCAB, tiny_model
+from tiny_models import VOCAB, stock_greedy, tiny_model
 
 NEW = 16
 # ---------------------------------------------------------------------------------------- pure functions
@@ -132,14 +132,7 @@ def _prompts():
 
 
 def _stock(arch, prompts):
-    model = tiny_model(arch, STOCK_ATTN.get(arch, "sdpa"))
-    out = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False)
-        out.append(gen[0, len(p):].tolist())
-    return out
+    return stock_greedy(arch, prompts, max_new_tokens=NEW, min_new_tokens=NEW)
 
 
 def _no_leaks(engine):

@@ -86,7 +86,7 @@ def test_one_packed_forward_equals_each_sequence_alone(arch):
     for prompt in prompts:
         seq = cache.new_sequence()
         result = cache.manager.append_tokens(seq, prompt)
-        chunks.append(Chunk(seq, 0, prompt, result.slots, 1))
+        chunks.append(Chunk(seq, 0, prompt, result.group_slots, 1))
     logits = runner.forward(chunks, [])
     assert logits.shape == (len(prompts), VOCAB)
     for row, prompt in enumerate(prompts):
