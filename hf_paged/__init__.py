@@ -25,6 +25,14 @@ from .worker import SamplingParams
 __version__ = "0.1.0"
 
 
+def release(model) -> bool:
+    """Free the KV pool and prefix cache that drop-in `model.generate` keeps for `model` across
+    calls. Returns whether it held one."""
+    from .integrations.batch_generate import release as _release
+
+    return _release(model)
+
+
 def register() -> None:
     """Register the "hf_paged" attention and mask functions and install the generate patch.
     Idempotent; runs on import."""
@@ -53,4 +61,5 @@ __all__ = [
     "layer_skip_draft",
     "paged_attention_forward",
     "register",
+    "release",
 ]

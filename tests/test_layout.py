@@ -227,13 +227,15 @@ def test_no_private_names_imported_across_sub_packages():
 
 # Private attributes that belong to torch / transformers objects, read the way their own code does
 # (`_prepare_generation_config`, `_prepare_generated_length`, `_prepare_special_tokens`: transformers'
-# own merge of generation configs, lengths and special tokens, and `_get_logits_processor`, its own
-# processors for the finished rows' scores, used by the version-guarded integrations so that drop-in
+# own merge of generation configs, lengths and special tokens, `_get_logits_processor`, its own
+# processors for the finished rows' scores, and `_get_stopping_criteria`, its own stopping criteria
+# called step by step on the engine's rows, used by the version-guarded integrations so that drop-in
 # generate sees and returns exactly what stock does).
 # Private names of transformers and torch that hf_paged uses on purpose (each with its own version check or
 # probe): `_linear_pointwise` is the oneDNN linear op Inductor calls, probed by `hf/linear.py` before use.
 FOREIGN_PRIVATES = {"_attn_implementation", "_version", "_prepare_generation_config", "_prepare_generated_length",
-                    "_prepare_special_tokens", "_get_logits_processor", "_linear_pointwise"}
+                    "_prepare_special_tokens", "_get_logits_processor", "_get_stopping_criteria",
+                    "_linear_pointwise"}
 
 
 def test_no_private_attribute_reach_ins():

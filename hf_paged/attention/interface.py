@@ -93,7 +93,11 @@ def paged_attention_forward(
             layer_idx = meta.active_layer
         group = meta.group_of(layer_idx)
         kept = meta.group_windows[group] if meta.group_windows else None
-        if kept is not None and (sliding_window is None or sliding_window > kept):
+        if kept is not None and sliding_window is None:
+            # The config slides this layer (as transformers' DynamicCache and the model's own mask read
+            # it: PhiMoE, Qwen2-MoE) but its attention names no window: attend over the kept window.
+            sliding_window = kept
+        if kept is not None and sliding_window > kept:
             raise ValueError(
                 f"hf_paged: layer {layer_idx} attends with sliding_window={sliding_window}, but its KV blocks are kept "
                 f"for a window of {kept} tokens only (the model config's layer_types / sliding_window disagree with "

@@ -53,8 +53,9 @@ class StepMetadata:
             so that writing the K/V needs no check per layer).
         group_block_tables, group_slot_mapping: the same per KV group (`config.kv_layout`):
             sliding-window layers have their own tables, whose leading released entries read as the
-            row's first held block (never read by the Triton kernels, which start at the window;
-            weight exactly 0 on the torch path). `block_tables` / `slot_mapping` are group 0's.
+            row's first held block: finite K/V of the same sequence, masked out by the window (the
+            Triton kernels start at the window rounded down to their tile, so they may load a
+            released entry's block; the torch path gathers it; both give it weight exactly 0). `block_tables` / `slot_mapping` are group 0's.
         layer_group: per layer, its group (None: one group).
         group_windows: per group, the sliding window its blocks are kept for (None: full attention).
     """

@@ -531,6 +531,18 @@ class BlockManager:
             ValueError: more tokens than `seq` holds, or a rollback below what a sliding group kept
                 (its earlier blocks are gone; nothing is changed).
         """
+        self.check_truncate(seq, num_tokens_to_remove)
+        new_len = seq.num_tokens - num_tokens_to_remove
+        keep = -(-new_len // self.block_size)
+        for table in seq.block_tables:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
+        del seq.token_ids[new_len:]
+        del seq.block_hashes[new_len // self.block_size :]
+
+    def check_truncate(self, seq: KVSequence, num_tokens_to_remove: int) -> None:
+        """Raise the ValueError `truncate` would raise, changing nothing (a batch checks every row
+        before it truncates any)."""
         if not 0 <= num_tokens_to_remove <= seq.num_tokens:
             raise ValueError(
                 f"cannot remove {num_tokens_to_remove} tokens from sequence {seq.seq_id} of {seq.num_tokens}"
@@ -545,12 +557,6 @@ class BlockManager:
                     f"{seq.num_released[g] * self.block_size}; roll back at most {self.lookback} tokens below "
                     "the length of the last append (BlockManager lookback)"
                 )
-        keep = -(-new_len // self.block_size)
-        for table in seq.block_tables:
-            self.pool.free(reversed(table[keep:]))
-            del table[keep:]
-        del seq.token_ids[new_len:]
-        del seq.block_hashes[new_len // self.block_size :]
 
     def free(self, seq: KVSequence) -> None:
         """Release all of `seq`'s blocks. Tail blocks go first so that, once cached, the LRU evicts

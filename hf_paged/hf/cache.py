@@ -216,6 +216,9 @@ class PagedCache(Cache):
         self.manager = BlockManager(self.pool, self.block_size, self.layout.windows or (None,))
         self.seqs: list[KVSequence] = []
         self._num_columns = 0  # what transformers sees as the cache length (padding included)
+        # A right-padded batch: every column is stored (padding too) and attention runs dense with the
+        # model's mask; set by the planning hook on the first step, cleared by reset().
+        self.stores_padding = False
         self._step: StepMetadata | None = None
         self._seq_ids = itertools.count(1)  # next() is atomic: engines create sequences from any thread
         self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)
@@ -312,6 +315,8 @@ class PagedCache(Cache):
         short = [i for i, seq in enumerate(self.seqs) if seq.num_tokens < n]
         if short:
             raise ValueError(f"cannot crop {n} tokens: rows {short} hold fewer real (non-padding) tokens")
+        for seq in self.seqs:  # every row first: a refused crop changes no row
+            self.manager.check_truncate(seq, n)
         for seq in self.seqs:
             self.manager.truncate(seq, n)
         self._num_columns -= n
@@ -326,6 +331,7 @@ class PagedCache(Cache):
             self.manager.free(seq)
         self.seqs = []
         self._num_columns = 0
+        self.stores_padding = False
         self._step = None
 
     # ------------------------------------------------------------------ planning
@@ -473,7 +479,14 @@ class PagedCache(Cache):
             limit=pool_sizing.max_num_blocks(self.cache_config, self.bytes_per_block(dtype)),
             reason=pool_sizing.limit_reason(self.cache_config),
         )
-        self.pool.grow(target - self.pool.num_blocks)
+        self.grow_to(target)
+
+    def grow_to(self, num_blocks: int) -> None:
+        """Grow the pool (and every storage slot's tensors) to `num_blocks` blocks; never shrinks. Only
+        while no step is planned: an idle engine's owner may call it between calls."""
+        if num_blocks <= self.pool.num_blocks:
+            return
+        self.pool.grow(num_blocks - self.pool.num_blocks)
         resized: dict[int, PagedLayer] = {}
         for layer in self.layers:
             layer.resize(self.pool.num_blocks, like=resized.get(layer.slot))

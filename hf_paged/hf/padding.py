@@ -3,12 +3,29 @@
 `generate` left-pads rows; the cache must store only real tokens. This module reads the 2D
 attention mask (and token ids, for prefix caching) of one step and returns, per row, the real
 columns and their token ids. It checks the left-padding rule and raises a `ValueError` that names
-the rows that break it. It allocates nothing and never touches the KV pool.
+the rows that break it; `is_left_padded` asks first (a right-padded batch is then stored whole, its
+padding included, and masked by the model's own mask: see `planning`). It allocates nothing and
+never touches the KV pool.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def is_left_padded(attention_mask: torch.Tensor | None, num_cached_columns: int, had_tokens: list[bool],
+                   q_len: int) -> bool:
+    """Whether this step's new columns follow the left-padding rule `real_columns` needs (padding only
+    before a row's first real token, none once a row stores tokens). A mask of the wrong shape counts
+    as left-padded: `real_columns` then names the shape problem."""
+    if attention_mask is None or attention_mask.dim() != 2 \
+            or tuple(attention_mask.shape) != (len(had_tokens), num_cached_columns + q_len):
+        return True
+    new = attention_mask[:, attention_mask.shape[1] - q_len :].bool().cpu()
+    num_real = new.sum(dim=1)
+    left_padded = torch.arange(q_len)[None, :] >= (q_len - num_real)[:, None]
+    bad = (new != left_padded).any(dim=1) | (torch.tensor(had_tokens, dtype=torch.bool) & (num_real < q_len))
+    return not bool(bad.any())
 
 
 def real_columns(attention_mask: torch.Tensor | None, num_cached_columns: int, had_tokens: list[bool],

@@ -17,6 +17,7 @@ import torch
 
 from ..attention.metadata import DENSE, PAGED
 from .cache import PagedCache
+from .padding import is_left_padded
 from .support import check_model_supported, decoder_of
 from .weights import weights_fingerprint
 
@@ -66,6 +67,14 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
             return None
         attention_mask = get("attention_mask")
         padding_known = attention_mask is None or (torch.is_tensor(attention_mask) and attention_mask.dim() == 2)
+        if padding_known and not cache.stores_padding and not cache.seqs and not is_left_padded(
+                attention_mask, 0, [False] * reference.shape[0], reference.shape[1]):
+            # Right padding (stock warns and generates): store every column, padding included, and
+            # let the model's own mask hide it on the dense path. Never hashed: a token's K/V depend on
+            # which columns its row attends, not on the ids alone.
+            cache.stores_padding = True
+        if cache.stores_padding:
+            padding_known = False  # every column is stored
         mode = PAGED if model.config._attn_implementation == "hf_paged" and padding_known else DENSE
         if not cache.seqs and cache.default_quant is not None:
             cache.use_checkpoint_kv_scales(model)  # layers not yet written take a checkpoint's k/v scales
@@ -79,7 +88,7 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
             mode=mode,
             device=reference.device,
             dtype=model.dtype,
-            input_ids=input_ids if inputs_embeds is None else None,
+            input_ids=input_ids if inputs_embeds is None and not cache.stores_padding else None,
             attention_mask=attention_mask if padding_known else None,
         )
         if mode == PAGED:

@@ -34,17 +34,20 @@ where stock's processors see the left padding as tokens (`_padding_visible_to_pr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
+import threading
 import warnings
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..config import PagedCacheConfig, check_pool_fits
 from ..engine import Engine
+from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
 from ..hf.support import has_latent_kv
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
@@ -66,7 +69,8 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         return None
     if has_latent_kv(model.config):
         return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
-    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"assistant_model"}
+    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"assistant_model", "streamer", "stopping_criteria",
+                                                             "tokenizer"}
     if unknown:
         logger.debug("hf_paged: stock generate serves this call (arguments %s)", sorted(unknown))
         return None
@@ -116,22 +120,49 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
             logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
             return None
+    streamer = kwargs.get("streamer")
+    criteria = None
+    if kwargs.get("stopping_criteria") or gc.stop_strings or gc.max_time is not None:
+        try:  # stock's own list (max length, EOS, stop strings, max time and the caller's), called step by step
+            stock_gc = copy.deepcopy(gc)
+            model._prepare_special_tokens(stock_gc, True, device=input_ids.device)
+            criteria = model._get_stopping_criteria(generation_config=stock_gc, stopping_criteria=kwargs.get(
+                "stopping_criteria") or StoppingCriteriaList(), tokenizer=kwargs.get("tokenizer"))
+        except (ValueError, TypeError, AttributeError) as exc:  # stock raises its own error for the same call
+            logger.debug("hf_paged: stock generate serves this call (%s)", exc)
+            return None
+        if not eos_ids:
+            # Without an EOS criterion stock keeps extending a row its criteria stopped (no padding).
+            logger.debug("hf_paged: stock generate serves this call (stopping criteria without eos_token_id)")
+            return None
+    if (streamer is not None or criteria is not None) and (
+            params.n > 1 or params.output_scores or params.output_logits
+            or (params.no_repeat_ngram_size >= 2 and any(len(r) < width for r in rows))):
+        # Fed step by step as the tokens come: only calls the engine surely serves to the end (no
+        # after-run fallback to stock, which would feed a streamer twice), one sample per row, and no
+        # scores (stock hands its criteria the scores tuple).
+        logger.debug("hf_paged: stock generate serves this call (streamer/criteria with n=%d, scores or n-grams)",
+                     params.n)
+        return None
     if pad_warning:
         warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{pad} for open-end generation.", stacklevel=3)
     n = params.n
     max_len = width + params.max_new_tokens
     engine_kwargs = _engine_kwargs(model, len(rows) * n, max_len)
     check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], max_len)
-    engine = Engine(model, **engine_kwargs, show_progress=False, eos_token_ids=eos_ids,
-                    **speculative_kwargs(gc, assistant))
-    outputs = engine.generate(rows, params)
-    metrics = engine.metrics()
-    errors = [o.error for o in outputs if o.error is not None]
-    if errors:
-        model.hf_paged_last_metrics = metrics
-        raise errors[0]
-    # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
-    samples = [sample for out in outputs for sample in out.outputs]
+    with model_engine(model, engine_kwargs, speculative_kwargs(gc, assistant), eos_ids) as engine:
+        if streamer is not None or criteria is not None:
+            samples = _run_stepwise(engine, rows, params, input_ids, pad, streamer, criteria)
+            metrics = engine.metrics()
+        else:
+            outputs = engine.generate(rows, params)
+            metrics = engine.metrics()
+            errors = [o.error for o in outputs if o.error is not None]
+            if errors:
+                model.hf_paged_last_metrics = metrics
+                raise errors[0]
+            # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
+            samples = [sample for out in outputs for sample in out.outputs]
     sample_rows = [rows[i // n] for i in range(len(samples))]
     if _padding_visible_to_processors(params, sample_rows, width, pad, before_run=False,
                                       generated=[s.token_ids for s in samples]):
@@ -152,6 +183,72 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         mask = mask.repeat_interleave(n, dim=0) if n > 1 else mask
         scores, logits = _stock_rows_after_finish(model, gc, sequences, mask, width, samples, params)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+
+
+def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torch.Tensor, pad: int, streamer,
+                  criteria) -> list:
+    """Run the rows through `engine.stream` and replay stock's per-step loop over what comes out.
+
+    Step t happens once every row still running has its t-th token: the column of this step's tokens
+    (a finished row's entry is the pad id, as in stock) extends stock's `[batch, width + t + 1]`
+    `input_ids`; stock's `criteria` (a `StoppingCriteriaList`, per-row state and all) are called on it
+    with `scores=None`, as stock calls them without `output_scores`; a row they stop keeps its tokens
+    up to this step and its request is aborted (blocks freed at once); then `streamer` gets the
+    column. `streamer.put` of the prompt ids comes first and `end()` last, as in stock. Rows run
+    independently in the engine, so a row that ran ahead of a stop loses only tokens stock never
+    made. Returns the samples (`CompletionOutput`) in row order.
+
+    Raises:
+        RuntimeError: a request failed in the engine (stock would have raised from its forward).
+    """
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    num_rows = len(rows)
+    tokens: list[list[int]] = [[] for _ in rows]
+    reasons: list[str | None] = [None] * num_rows
+    request_ids: list[str | None] = [None] * num_rows
+    stopped = [False] * num_rows  # by the criteria: nothing after the step they stopped it at counts
+    ids, steps = input_ids, 0
+
+    def advance(final: bool) -> None:
+        nonlocal ids, steps
+        while True:
+            live = [i for i in range(num_rows) if not stopped[i] and len(tokens[i]) > steps]
+            waiting = [i for i in range(num_rows) if not stopped[i] and reasons[i] is None and len(tokens[i]) <= steps]
+            if not live or (waiting and not final):
+                return
+            column = [tokens[i][steps] if i in live else pad for i in range(num_rows)]
+            ids = torch.cat([ids, torch.tensor(column, dtype=ids.dtype, device=ids.device)[:, None]], dim=1)
+            if criteria is not None:
+                done = criteria(ids, None)
+                for i in live:
+                    if bool(done[i]) and not stopped[i]:
+                        stopped[i] = True
+                        del tokens[i][steps + 1:]
+                        if reasons[i] is None:
+                            reasons[i] = "stop"
+                            engine.abort(request_ids[i])
+            if streamer is not None:
+                streamer.put(torch.tensor(column, dtype=torch.long))
+            steps += 1
+
+    for event in engine.stream(rows, params):
+        i = event.index
+        request_ids[i] = event.request_id
+        if stopped[i]:
+            continue
+        if event.token_id is not None:
+            tokens[i].append(event.token_id)
+        if event.finish_reason is not None:
+            reasons[i] = event.finish_reason
+        advance(final=False)
+    advance(final=True)
+    if streamer is not None:
+        streamer.end()
+    failed = [i for i, r in enumerate(reasons) if r == "error"]
+    if failed:
+        raise RuntimeError(f"hf_paged: the engine failed rows {failed}")
+    return [CompletionOutput(0, token_ids=t, finish_reason=r) for t, r in zip(tokens, reasons)]
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -209,6 +306,83 @@ def _padding_visible_to_processors(params, rows: list[list[int]], width: int, pa
     if size < 2:
         return False
     return any(p and (pad in row or pad in gen[:-1]) for p, row, gen in zip(padded, rows, generated))
+
+
+_ENGINE_ATTR = "_hf_paged_engine"  # the model's `_EngineSlot`
+_SLOTS_GUARD = threading.Lock()
+
+
+class _EngineSlot:
+    """Where a model keeps its drop-in engine. A copy or pickle of the model gets an empty slot (an
+    engine and a lock neither copy nor pickle, and a copied model must not share the original's K/V)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.key: tuple | None = None
+        self.engine: Engine | None = None
+
+    def __deepcopy__(self, memo):
+        return _EngineSlot()
+
+    def __reduce__(self):
+        return (_EngineSlot, ())
+
+
+def _slot_of(model) -> _EngineSlot:
+    with _SLOTS_GUARD:
+        slot = model.__dict__.get(_ENGINE_ATTR)
+        if slot is None:
+            slot = _EngineSlot()
+            object.__setattr__(model, _ENGINE_ATTR, slot)  # a plain attribute, not a submodule
+        return slot
+
+
+@contextlib.contextmanager
+def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[int]):
+    """The model's drop-in engine for one call, kept across calls with its pool and prefix cache.
+
+    Reused while the cache settings and speculative settings stay the same (else replaced). Between
+    calls its pool grows to what the call needs (`engine_kwargs["num_blocks"]`; with a `max_kv_bytes`
+    budget the pool is that budget from the start), and its `max_num_seqs` / `max_model_len` widen;
+    its metrics restart, so `model.hf_paged_last_metrics` describes this call. A weights change is
+    seen at the next step (`Engine._note_weights`): no prefix computed under other weights is ever
+    hit. One call at a time uses it; a call made while another thread's call runs gets an engine of
+    its own for that call. `release(model)` drops it and its memory.
+    """
+    slot = _slot_of(model)
+    if not slot.lock.acquire(blocking=False):  # another call of this model is running
+        yield Engine(model, **engine_kwargs, show_progress=False, eos_token_ids=eos_ids, **spec_kwargs)
+        return
+    try:
+        fixed = {k: v for k, v in engine_kwargs.items() if k not in ("num_blocks", "max_num_seqs", "max_model_len")}
+        key = (tuple(sorted(fixed.items())),
+               tuple(sorted((k, id(v) if isinstance(v, torch.nn.Module) else v) for k, v in spec_kwargs.items())))
+        engine = slot.engine
+        if engine is not None and slot.key == key and not engine.scheduler.has_unfinished:
+            engine.scheduler.max_num_seqs = max(engine.scheduler.max_num_seqs, engine_kwargs["max_num_seqs"])
+            engine.max_model_len = max(engine.max_model_len, engine_kwargs["max_model_len"])
+            if engine_kwargs["num_blocks"] is not None:
+                engine.cache.grow_to(engine_kwargs["num_blocks"])
+            engine.eos_token_ids = list(eos_ids)
+            engine.reset_metrics()
+        else:
+            slot.engine = None  # the old engine's memory goes before the new one's comes
+            engine = Engine(model, **engine_kwargs, show_progress=False, eos_token_ids=eos_ids, **spec_kwargs)
+            slot.key, slot.engine = key, engine
+        yield engine
+    finally:
+        slot.lock.release()
+
+
+def release(model) -> bool:
+    """Drop the engine the drop-in `generate` keeps for `model` (its KV pool and prefix cache); the
+    next call builds a new one. Returns whether there was one."""
+    slot = model.__dict__.get(_ENGINE_ATTR)
+    if slot is None or slot.engine is None:
+        return False
+    with slot.lock:
+        slot.engine, slot.key = None, None
+    return True
 
 
 def _engine_kwargs(model, batch_size: int, max_len: int) -> dict:

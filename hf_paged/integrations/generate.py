@@ -3,8 +3,10 @@
 Two small wraps, both undone by `uninstall()`:
 
 * `GenerationMixin.generate`: a plain batched call (greedy or sampling, `num_return_sequences`,
-  `output_scores` / `output_logits`; no beams, attentions or custom processors) runs through the continuous-batching `Engine` (`integrations.batch_generate`), returning what stock
-  returns. Any other call goes on to stock generate unchanged.
+  `output_scores` / `output_logits`, a streamer; no beams, attentions or custom processors) runs
+  through the continuous-batching `Engine` (`integrations.batch_generate`), returning what stock
+  returns. A call for a static (compileable) cache runs stock generate with transformers' sdpa for
+  that call (warned once). Any other call goes on to stock generate unchanged.
 * `GenerationMixin._prepare_cache_for_generation` (private; transformers has no registry for cache
   classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any
   `PagedCache` in play is attached (`hf_paged.hf.attach`).
@@ -73,7 +75,7 @@ def install() -> bool:
             cache = PagedCache(self.config, cache_config)
             model_kwargs[key] = cache
         elif self.config._attn_implementation == "hf_paged" and getattr(cache, "is_compileable", False):
-            raise ValueError(
+            raise ValueError(  # `generate` routes these calls to sdpa first: only a direct caller gets here
                 f"attn_implementation='hf_paged' does not support compileable caches ({type(cache).__name__}, "
                 f"cache_implementation={generation_config.cache_implementation!r}); use the default cache, or "
                 "attn_implementation='sdpa' for static caches and torch.compile"
@@ -104,6 +106,8 @@ def _install_generate() -> None:
 
     @functools.wraps(original_generate)
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        if self.config._attn_implementation == "hf_paged" and _wants_compileable_cache(self, generation_config, kwargs):
+            return _generate_without_paging(self, original_generate, inputs, generation_config, *args, **kwargs)
         if self.config._attn_implementation == "hf_paged" and not args:
             from .batch_generate import try_engine_generate
 
@@ -113,6 +117,34 @@ def _install_generate() -> None:
         return original_generate(self, inputs, generation_config, *args, **kwargs)
 
     GenerationMixin.generate = generate
+
+
+def _wants_compileable_cache(model, generation_config, kwargs: dict) -> bool:
+    """Whether this call asks for a static (compileable) cache: a `cache_implementation` such as
+    "static", a compile config, or a cache object with `is_compileable` passed in."""
+    for key in ("cache", "past_key_values"):
+        if getattr(kwargs.get(key), "is_compileable", False):
+            return True
+    implementation = kwargs.get("cache_implementation")
+    if implementation is None:
+        gc = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+        implementation = getattr(gc, "cache_implementation", None)
+    return implementation is not None and implementation not in ("dynamic", "dynamic_full", "paged")
+
+
+def _generate_without_paging(model, original_generate, *args, **kwargs):
+    """Run stock generate for a static cache (and the `torch.compile` it enables) with transformers'
+    own attention, sdpa (eager where the model has no sdpa), warned once: the paged kernels cannot
+    read a fixed-shape cache. The model's attention is "hf_paged" again afterwards. While this call
+    runs, other threads using the same model object see that attention too."""
+    fallback = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+    _warn_once(f"hf_paged: a static (compileable) cache turns paging off for this generate call; it runs "
+               f"transformers' {fallback} attention with that cache")
+    model.set_attn_implementation(fallback)
+    try:
+        return original_generate(model, *args, **kwargs)
+    finally:
+        model.set_attn_implementation("hf_paged")
 
 
 def uninstall() -> None:
@@ -127,8 +159,16 @@ def uninstall() -> None:
 
 
 def _check_fits(cache: PagedCache, generation_config) -> None:
-    """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool."""
+    """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool (every
+    KV group's table counted: a sliding-window model needs more blocks per token than one table)."""
     check_pool_fits(cache.cache_config.num_blocks, cache.block_size, generation_config.max_length)
+    num_blocks, max_length = cache.cache_config.num_blocks, generation_config.max_length
+    if num_blocks is not None and max_length is not None and cache.manager.max_blocks_for(max_length) > num_blocks:
+        raise ValueError(
+            f"num_blocks={num_blocks} cannot hold one sequence of max_length={max_length}: its "
+            f"{len(cache.layout.groups)} KV groups need {cache.manager.max_blocks_for(max_length)} blocks of "
+            f"{cache.block_size} tokens"
+        )
 
 
 _warned: set[str] = set()

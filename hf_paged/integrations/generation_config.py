@@ -51,7 +51,7 @@ NEUTRAL: dict[str, tuple] = {
     "forced_eos_token_id": (None,), "remove_invalid_values": (None, False),
     "exponential_decay_length_penalty": (None,), "suppress_tokens": (None,), "begin_suppress_tokens": (None,),
     "token_healing": (None, False), "guidance_scale": (None, 1.0),
-    "watermarking_config": (None,), "stop_strings": (None,), "max_time": (None,), "output_attentions": (None, False),
+    "watermarking_config": (None,), "output_attentions": (None, False),
     "output_hidden_states": (None, False),
     "encoder_repetition_penalty": (None, 1.0), "low_memory": (None,), "penalty_alpha": (None,),
     "dola_layers": (None,), "diversity_penalty": (None, 0.0), "num_beam_groups": (None, 1), "constraints": (None,),
@@ -65,6 +65,8 @@ IGNORED = frozenset({
     "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind", "assistant_ensemble_weight",
     "cache_config", "max_cache_len", "compile_config", "disable_compile", "transformers_version",
     "_from_model_config", "generation_kwargs",
+    # Served by stock's own criteria, called step by step on the engine's rows (`batch_generate`).
+    "stop_strings", "max_time",
 })
 
 

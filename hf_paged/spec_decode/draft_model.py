@@ -27,18 +27,20 @@ class DraftModelProposer:
     Args:
         model: the draft model (switched to the "hf_paged" attention).
         num_blocks, block_size: its own KV pool.
-        kv_cache_dtype, kv_quant_scheme, kv_quant_rotation: how that pool stores K/V (the target's
-            choice, see `PagedCacheConfig`).
+        kv_cache_dtype, kv_quant_scheme, kv_quant_rotation, enable_hybrid_kv: how that pool stores K/V
+            (the target's choice, see `PagedCacheConfig`).
     """
 
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 kv_cache_dtype: str = "auto", kv_quant_scheme: str = "dynamic", kv_quant_rotation: bool = True):
+                 kv_cache_dtype: str = "auto", kv_quant_scheme: str = "dynamic", kv_quant_rotation: bool = True,
+                 enable_hybrid_kv: bool = True):
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.cache = PagedCache(_config_for_layers_present(model),
                                 PagedCacheConfig(block_size=block_size, num_blocks=num_blocks,
                                                  kv_cache_dtype=kv_cache_dtype, kv_quant_scheme=kv_quant_scheme,
-                                                 kv_quant_rotation=kv_quant_rotation))
+                                                 kv_quant_rotation=kv_quant_rotation,
+                                                 enable_hybrid_kv=enable_hybrid_kv))
         self.cache.use_checkpoint_kv_scales(model)
         self.manager = self.cache.manager
         # It appends its own drafts before the target verifies them, then rolls back the rejected ones:

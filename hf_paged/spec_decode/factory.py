@@ -50,4 +50,5 @@ def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, nu
     blocks = target_num_blocks + max_num_seqs * -(-num_tokens // block_size)
     kv = kv_cache_config or PagedCacheConfig()
     return DraftModelProposer(draft_model, num_blocks=blocks, block_size=block_size, kv_cache_dtype=kv.kv_cache_dtype,
-                              kv_quant_scheme=kv.kv_quant_scheme, kv_quant_rotation=kv.kv_quant_rotation), num_tokens
+                              kv_quant_scheme=kv.kv_quant_scheme, kv_quant_rotation=kv.kv_quant_rotation,
+                              enable_hybrid_kv=kv.enable_hybrid_kv), num_tokens

@@ -481,6 +481,7 @@ def test_int8_kv_cache_generates_through_triton_like_torch(monkeypatch):
     outs = {}
     for name in ("torch", "triton"):
         monkeypatch.setenv("HF_PAGED_BACKEND", name)
+        hf_paged.release(model)  # a fresh engine: no prompt block computed by the other backend is hit
         outs[name] = model.generate(input_ids, attention_mask=attention_mask, **kwargs)
     assert {n for n, _ in calls} == {"store_kv", "paged_decode", "flash_prefill"} and all(q for _, q in calls)
     assert torch.equal(outs["triton"].sequences, outs["torch"].sequences)

@@ -136,6 +136,11 @@ def test_groups_never_leak_never_free_a_readable_block_and_hit_exactly(windows, 
                 seq = sim.new_seq()
                 prompt = data.draw(st.lists(alphabet, min_size=1, max_size=30))
                 cached = sim.manager.num_cached_prefix_tokens(seq, prompt[:-1])
+                # As the scheduler admits: both appends are sized together before either runs.
+                needed = sim.manager.num_blocks_needed(seq, len(prompt) - cached, num_cached_tokens=cached)
+                if not sim.pool.can_allocate(needed):
+                    sim.seqs.remove(seq)
+                    raise NoFreeBlocksError("the scheduler would not admit it now")
                 if cached:
                     before = sim.pool.num_prefix_hits
                     hit = sim.manager.append_cached(seq, prompt[:cached])

@@ -375,10 +375,14 @@ def test_dropin_generate_falls_back_where_the_engine_cannot_follow(engine_calls)
     model.hf_paged_use_engine = False
     model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=3)
     assert not engine_calls
+    # Right-padded rows are not the engine's: stock generate runs them (padding stored and masked).
     right_padded = attention_mask.flip(1)
     del model.hf_paged_use_engine
-    with pytest.raises(ValueError, match="left padding"):
-        model.generate(input_ids.flip(1), attention_mask=right_padded, max_new_tokens=3)
+    ids = input_ids.flip(1)
+    out = model.generate(ids, attention_mask=right_padded, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, stock.generate(ids, attention_mask=right_padded, max_new_tokens=3, do_sample=False,
+                                           pad_token_id=0))
+    assert not engine_calls
 
 
 def test_engine_switches_a_model_to_hf_paged():

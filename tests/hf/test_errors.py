@@ -90,14 +90,18 @@ def test_unsupported_model_types():
         PagedCache(MambaConfig(num_hidden_layers=2))
 
 
-def test_right_padding_is_rejected():
+def test_padding_after_stored_tokens_is_rejected():
+    """A right-padded first step is stored whole (see test_dropin_stock_cases); a row that pads
+    after it stored only real tokens cannot be told apart from its padding any more."""
     model = tiny_model("llama", "hf_paged")
     hf_paged.attach(model)
     cache = PagedCache(model.config)
     input_ids, attention_mask = left_padded_batch([5, 9])
-    right = attention_mask.flip(1)
+    model(input_ids, attention_mask=attention_mask, **with_cache(cache))
+    step = torch.tensor([[7], [8]])
+    mask = torch.cat([attention_mask, torch.tensor([[0], [1]])], dim=1)
     with pytest.raises(ValueError, match=r"needs left padding.*rows \[0\]"):
-        model(input_ids, attention_mask=right, **with_cache(cache))
+        model(step, attention_mask=mask, **with_cache(cache))
 
 
 def test_mask_of_wrong_width_is_rejected():

@@ -192,7 +192,7 @@ def test_newly_honoured_fields_map_onto_sampling_params():
 
 @pytest.mark.parametrize("field, value", [
     ("typical_p", 0.9), ("epsilon_cutoff", 0.01), ("suppress_tokens", [5]), ("sequence_bias", {(5, 6): 1.0}),
-    ("num_beams", 2), ("stop_strings", ["x"]), ("forced_eos_token_id", 2), ("output_attentions", True),
+    ("num_beams", 2), ("forced_eos_token_id", 2), ("output_attentions", True),
     ("bad_words_ids", [[5, -1]]), ("bad_words_ids", [[VOCAB]]), ("sequence_bias", {(VOCAB,): 1.0}),
     ("no_repeat_ngram_size", 2.5), ("prompt_lookup_num_tokens", 3),
 ])

@@ -174,7 +174,7 @@ def test_layers_share_storage_slots_across_groups():
     assert cache.bytes_per_block() == cache.layers[0].bytes_per_block()
 
 
-def test_attention_window_wider_than_the_kept_blocks_is_refused():
+def test_attention_window_wider_than_the_kept_blocks_is_refused_and_none_means_the_kept_one():
     from hf_paged.attention.interface import paged_attention_forward
     from hf_paged.attention.metadata import build_packed_metadata
 
@@ -186,9 +186,10 @@ def test_attention_window_wider_than_the_kept_blocks_is_refused():
     q = torch.zeros(1, 2, 1, 8)
     k = torch.zeros(2, 4, 2, 8)
     with pytest.raises(ValueError, match="kept for a window of 4"):
-        paged_attention_forward(module, q, k, k, None, sliding_window=None, paged_metadata=meta)
-    with pytest.raises(ValueError, match="kept for a window of 4"):
         paged_attention_forward(module, q, k, k, None, sliding_window=5, paged_metadata=meta)
+    # A layer the config slides whose attention names no window (PhiMoE) attends over the kept window.
+    out, _ = paged_attention_forward(module, q, k, k, None, sliding_window=None, paged_metadata=meta)
+    assert out.shape == (1, 1, 2, 8)
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral"])
@@ -229,3 +230,22 @@ def test_released_entries_read_the_rows_own_blocks():
                                  group_block_tables=[[[7, 8, 10], [3]], [[-1, -1, 10], [4]]],
                                  layer_group=(0, 1), group_windows=(None, 3))
     assert meta.block_tables_of(1).tolist() == [[10, 10, 10], [4, 0, 0]]
+
+
+def test_a_refused_crop_changes_no_row():
+    """Row 0 could roll back 5 tokens, row 1 (long, its early blocks released) cannot: nothing moves."""
+    cache = PagedCache(tiny_model("gemma3").config, block_size=4)
+    cache.grow_to(64)
+    manager = cache.manager
+    from hf_paged.core import KVSequence
+
+    rows = [KVSequence(1), KVSequence(2)]
+    for seq, n in zip(rows, (6, 30)):
+        manager.append_tokens(seq, list(range(3, 3 + n)))
+        manager.append_tokens(seq, [99])
+    cache.seqs, cache._num_columns = rows, 31
+    before = [(list(s.token_ids), [list(t) for t in s.block_tables]) for s in rows]
+    with pytest.raises(ValueError, match="already released"):
+        cache.crop(-5)
+    assert [(list(s.token_ids), [list(t) for t in s.block_tables]) for s in rows] == before
+    assert cache.get_seq_length() == 31

@@ -1,0 +1,98 @@
+"""The inputs stock transformers' own generation tests feed `generate`, with "hf_paged" as the
+attention: right-padded masks, static caches, `inputs_embeds`, beam search and beam sampling, and
+`logits_to_keep`. Each must give stock's output (nothing stock accepts is refused)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hf_paged  # noqa: F401  (installs the generate patch)
+from tiny_models import STOCK_ATTN, VOCAB, left_padded_batch, tiny_model
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma2"]
+LOGITS_ATOL = 1e-4
+
+
+def _pair(arch):
+    """(stock model, the same weights with the hf_paged attention)."""
+    return tiny_model(arch, STOCK_ATTN.get(arch, "sdpa")), tiny_model(arch, "hf_paged")
+
+
+def _right_padded(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (3, 14), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, 8:] = 0  # torch.tril-style: real tokens, then padding
+    mask[2, 11:] = 0
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_right_padded_batch_gives_stocks_output(arch):
+    stock, ours = _pair(arch)
+    ids, mask = _right_padded()
+    gen = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref = stock.generate(ids, attention_mask=mask, **gen)
+    out = ours.generate(ids, attention_mask=mask, **gen)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(ref.logits, out.logits):
+        torch.testing.assert_close(b, a, atol=LOGITS_ATOL, rtol=0)
+    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    assert cache.stores_padding and cache.stats()["num_tokens"] == 3 * (14 + 9)  # padding stored, masked
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_cache_runs_stock_attention_with_one_warning(arch):
+    stock, ours = _pair(arch)
+    ids, mask = left_padded_batch([5, 12, 9])
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, cache_implementation="static")
+    ref = stock.generate(ids, attention_mask=mask, **gen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ours.generate(ids, attention_mask=mask, **gen)
+    assert torch.equal(out, ref)
+    assert ours.config._attn_implementation == "hf_paged"  # restored after the call
+    from hf_paged.integrations import generate as patch
+
+    assert any("static (compileable) cache" in m for m in patch._warned)
+    assert all("LazyMask" not in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inputs_embeds_gives_stocks_output(arch):
+    stock, ours = _pair(arch)
+    ids, mask = left_padded_batch([6, 11], seed=2)
+    embeds = stock.get_input_embeddings()(ids)
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = stock.generate(inputs_embeds=embeds, attention_mask=mask, **gen)
+    out = ours.generate(inputs_embeds=embeds, attention_mask=mask, **gen)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_beam_search_and_beam_sampling_give_stocks_output(arch):
+    stock, ours = _pair(arch)
+    ids, mask = left_padded_batch([7, 13], seed=4)
+    beams = dict(max_new_tokens=9, num_beams=3, num_return_sequences=2, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, **beams), stock.generate(ids, attention_mask=mask, **beams))
+    sampling = dict(max_new_tokens=9, num_beams=2, do_sample=True, top_k=0, pad_token_id=0)
+    torch.manual_seed(7)
+    ref = stock.generate(ids, attention_mask=mask, **sampling)
+    torch.manual_seed(7)
+    out = ours.generate(ids, attention_mask=mask, **sampling)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_to_keep_gives_stocks_logits(arch):
+    stock, ours = _pair(arch)
+    ids, mask = left_padded_batch([9, 4], seed=5)
+    with torch.no_grad():
+        for keep in (1, 3, 0):
+            ref = stock(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+            out = ours(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
+            torch.testing.assert_close(out, ref, atol=LOGITS_ATOL, rtol=0)
