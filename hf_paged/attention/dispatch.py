@@ -55,7 +55,7 @@ def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torc
         return
     from .triton.checks import can_read_kv_dtype, has_fp8e4nv
 
-    if quant_scheme == "asymmetric":
+    if quant_scheme == "asymmetric" and kv_dtype.itemsize == 1:  # the scheme means nothing unquantised
         raise ValueError("kv_quant_scheme='asymmetric' is implemented on the torch path only; the Triton kernels "
                          "read symmetric scales ('dynamic', 'dynamic_token', 'unit'); or set HF_PAGED_BACKEND=torch")
     if kv_dtype == torch.float8_e4m3fn and not has_fp8e4nv(device):

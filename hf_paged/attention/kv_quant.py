@@ -160,12 +160,12 @@ def dequantize(
         bits = payload.view(torch.int8).to(torch.int16)  # sign-extended
         bits.bitwise_left_shift_(7).bitwise_and_(-16385)  # clear bit 14 (0xBFFF): s0eeeemmm0000000
         payload, scale = bits.view(torch.float16), scale * 256.0
-    out.copy_(payload)
     if dtype != torch.float32 and dtype != torch.float64:  # scale in fp32, then round once to dtype
-        result = out.float().mul_(scale)
+        result = payload.float().mul_(scale)  # int8 / fp8 (and the fp16 bit trick) are exact in fp32
         if scales.shape[-1] == 2:
             result.add_(scales[..., 1:])
         return out.copy_(result)
+    out.copy_(payload)
     out.mul_(scale)
     if scales.shape[-1] == 2:
         out.add_(scales[..., 1:])

@@ -80,8 +80,8 @@ class StepMetadata:
     group_windows: tuple[int | None, ...] | None = None
     active_layer: int | None = None  # the layer whose K/V the cache stored last (its attention runs next)
     layers_done: set[int] = field(default_factory=set)
-    # Quantised layers' scales by the id of the payload tensor the cache returned for the layer (the
-    # attention receives that tensor as `key`): `kv_quant.KVScales`.
+    # Quantised layers' scales (`kv_quant.KVScales`) by layer index: layers of different KV groups share
+    # one storage slot's payload tensor, so the tensor cannot name the layer.
     kv_scales: dict = field(default_factory=dict)
     dense_index: dict = field(default_factory=dict)  # DENSE, per group: (slots, valid), [batch, num_columns]
     workspace: object = None  # the cache's `torch_paged.Workspace`, for the torch path's gathers

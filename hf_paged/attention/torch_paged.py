@@ -305,6 +305,8 @@ def paged_attention(
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
                                               or value_cache.requires_grad)
     workspace = None if needs_grad else plan.workspace
+    k_scales, v_scales = (None, None) if scales is None else (scales.key, scales.value)
+    nan_scaled = scales is not None and dynamic_scales(scales.quant)
     for group in plan.groups:
         buffers, dequantized = [None, None], [None, None]
         if workspace is not None and group.first_block is None:
@@ -315,8 +317,6 @@ def paged_attention(
                                for name, cache in (("kq", key_cache), ("vq", value_cache))]
         is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
         length = group.num_kv if is_causal_sdpa else None
-        k_scales, v_scales = (None, None) if scales is None else (scales.key, scales.value)
-        nan_scaled = scales is not None and dynamic_scales(scales.quant)
         k = group.gather(key_cache, query.dtype, buffers[0], length, k_scales, dequantized[0],
                          nan_scaled)  # [Sg, Hkv, K, D]
         v = group.gather(value_cache, query.dtype, buffers[1], length, v_scales, dequantized[1],

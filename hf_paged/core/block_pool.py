@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-from ..config import kv_groups, num_freeable_blocks
+from ..config import blocks_held, kv_groups, num_freeable_blocks
 from .sequence import NULL_BLOCK, KVSequence
 
 
@@ -336,8 +336,7 @@ class BlockManager:
 
     def num_blocks_held(self, seq: KVSequence, num_new_tokens: int = 0) -> int:
         """Blocks `seq` holds while a step appends `num_new_tokens` to it (after its release)."""
-        n = seq.num_tokens + num_new_tokens
-        return sum(-(-n // self.block_size) - self.first_kept_block(g, seq.num_tokens) for g in range(self.num_groups))
+        return sum(blocks_held(seq.num_tokens, w, self.block_size, self.lookback, num_new_tokens) for w in self.windows)
 
     def num_blocks_needed(self, seq: KVSequence, num_new_tokens: int, num_cached_tokens: int = 0) -> int:
         """Worst-case blocks `append_tokens` takes from the pool for `num_new_tokens` tokens (no

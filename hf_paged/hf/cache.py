@@ -283,8 +283,10 @@ class PagedCache(Cache):
             if layer.scales is not None:  # the attention finds a quantised layer's scales by its layer index
                 step.kv_scales[layer_idx] = layer.scales
             return layer.keys, layer.values
-        first_kept = None
-        if self.layout.is_hybrid and self.layout.windows[layer.group] is not None:
+        first_kept = None  # read by gather_dense only when it builds the group's index (once per step)
+        index = step.dense_index.get(layer.group)
+        if (index is None or index[0].device != layer.device) and self.layout.is_hybrid \
+                and self.layout.windows[layer.group] is not None:
             first_kept = [seq.num_released[layer.group] * self.block_size for seq in self.seqs]
         return gather_dense(layer.keys, layer.values, step, key_states.dtype, scales=layer.scales, group=layer.group,
                             first_kept=first_kept)
@@ -487,11 +489,12 @@ class PagedCache(Cache):
         if num_blocks <= self.pool.num_blocks:
             return
         self.pool.grow(num_blocks - self.pool.num_blocks)
-        resized: dict[int, PagedLayer] = {}
-        for layer in self.layers:
-            layer.resize(self.pool.num_blocks, like=resized.get(layer.slot))
-            if layer.is_initialized:
-                resized.setdefault(layer.slot, layer)
+        owners = {layer.slot: layer for layer in self._slot_owners()}
+        for layer in owners.values():
+            layer.resize(self.pool.num_blocks)
+        for layer in self.layers:  # the other layers of each slot share its owner's new tensors
+            if layer is not owners.get(layer.slot):
+                layer.resize(self.pool.num_blocks, like=owners.get(layer.slot))
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V one block takes across all layers: measured once every layer holds its

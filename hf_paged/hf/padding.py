@@ -21,11 +21,17 @@ def is_left_padded(attention_mask: torch.Tensor | None, num_cached_columns: int,
     if attention_mask is None or attention_mask.dim() != 2 \
             or tuple(attention_mask.shape) != (len(had_tokens), num_cached_columns + q_len):
         return True
+    bad, _ = _padding_violations(attention_mask, had_tokens, q_len)
+    return not bool(bad.any())
+
+
+def _padding_violations(attention_mask: torch.Tensor, had_tokens: list[bool], q_len: int):
+    """([batch] bool: the row breaks the left-padding rule, [batch] real tokens in the new columns)."""
     new = attention_mask[:, attention_mask.shape[1] - q_len :].bool().cpu()
     num_real = new.sum(dim=1)
     left_padded = torch.arange(q_len)[None, :] >= (q_len - num_real)[:, None]
     bad = (new != left_padded).any(dim=1) | (torch.tensor(had_tokens, dtype=torch.bool) & (num_real < q_len))
-    return not bool(bad.any())
+    return bad, num_real
 
 
 def real_columns(attention_mask: torch.Tensor | None, num_cached_columns: int, had_tokens: list[bool],
@@ -47,10 +53,7 @@ def real_columns(attention_mask: torch.Tensor | None, num_cached_columns: int, h
             f"attention_mask must be 2D with shape {expected} (batch, cached + new columns), got "
             f"{tuple(attention_mask.shape)}"
         )
-    new = attention_mask[:, attention_mask.shape[1] - q_len :].bool().cpu()
-    num_real = new.sum(dim=1)
-    left_padded = torch.arange(q_len)[None, :] >= (q_len - num_real)[:, None]
-    bad = (new != left_padded).any(dim=1) | (torch.tensor(had_tokens) & (num_real < q_len))
+    bad, num_real = _padding_violations(attention_mask, had_tokens, q_len)
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         raise ValueError(

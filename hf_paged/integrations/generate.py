@@ -25,7 +25,7 @@ from packaging.version import Version
 from transformers import DynamicCache
 from transformers.generation.utils import GenerationMixin
 
-from ..config import PagedCacheConfig, check_pool_fits
+from ..config import PagedCacheConfig
 from ..hf import PagedCache, attach
 
 logger = logging.getLogger(__name__)
@@ -161,12 +161,11 @@ def uninstall() -> None:
 def _check_fits(cache: PagedCache, generation_config) -> None:
     """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool (every
     KV group's table counted: a sliding-window model needs more blocks per token than one table)."""
-    check_pool_fits(cache.cache_config.num_blocks, cache.block_size, generation_config.max_length)
     num_blocks, max_length = cache.cache_config.num_blocks, generation_config.max_length
     if num_blocks is not None and max_length is not None and cache.manager.max_blocks_for(max_length) > num_blocks:
         raise ValueError(
             f"num_blocks={num_blocks} cannot hold one sequence of max_length={max_length}: its "
-            f"{len(cache.layout.groups)} KV groups need {cache.manager.max_blocks_for(max_length)} blocks of "
+            f"{len(cache.layout.groups)} KV group(s) need {cache.manager.max_blocks_for(max_length)} blocks of "
             f"{cache.block_size} tokens"
         )
 

@@ -30,9 +30,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..config import blocks_held, kv_layout
-from ..config import (KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_bytes_per_token_layer, kv_cache_dtype,
-                      kv_scale_bytes_per_token_layer)
+from ..config import (KV_CACHE_DTYPE_NAMES, KVCacheDtype, blocks_held, kv_bytes_per_token_layer, kv_cache_dtype,
+                      kv_layout, kv_scale_bytes_per_token_layer)
 
 GB = 10**9
 GiB = 2**30

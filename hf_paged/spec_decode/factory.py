@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..config import MAX_SPECULATIVE_TOKENS
+from ..config import MAX_SPECULATIVE_TOKENS, PagedCacheConfig
 from ..hf import check_model_supported
-from ..config import PagedCacheConfig
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 

@@ -487,3 +487,11 @@ def test_int8_kv_cache_generates_through_triton_like_torch(monkeypatch):
     assert torch.equal(outs["triton"].sequences, outs["torch"].sequences)
     for a, b in zip(outs["torch"].logits, outs["triton"].logits):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)  # fp32 compute on both sides
+
+
+def test_asymmetric_scheme_on_an_unquantised_cache_is_not_refused(monkeypatch):
+    """The scheme means nothing for a float cache (PagedCacheConfig accepts it): Triton serves it."""
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    dispatch.check_kv_cache_dtype(torch.float32, torch.float16, torch.device("cpu"), "asymmetric")
+    with pytest.raises(ValueError, match="asymmetric"):
+        dispatch.check_kv_cache_dtype(torch.float32, torch.int8, torch.device("cpu"), "asymmetric")
