@@ -15,10 +15,21 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="generate with the default model and check against stock transformers")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--no-verify", action="store_true", help="skip the comparison with stock transformers")
-    gen = sub.add_parser("generate", help="answer one chat prompt with the default model")
-    gen.add_argument("prompt")
+    gen = sub.add_parser("generate", help="answer one chat prompt, or every row of a dataset file (--input)")
+    gen.add_argument("prompt", nargs="?", help="one chat prompt (without --input)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    gen.add_argument("--model", default="default", help="a model folder, or 'default' (SmolLM2-135M-Instruct)")
+    gen.add_argument("--input", help="rows to complete: .jsonl, .json, .csv, .parquet, or a saved datasets folder")
+    gen.add_argument("--column", default="prompt", help="the input column holding each prompt")
+    gen.add_argument("--output", help="JSON lines written as rows finish; rows already there are skipped")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0, help="0 = off")
+    gen.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
+    gen.add_argument("--max-num-seqs", type=int, default=64, help="rows running at once")
+    gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     sub.add_parser("info", help="versions and the supported transformers range")
     planner_cli.add_subcommands(sub)
     args = parser.parse_args(argv)
@@ -29,7 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         from .defaults.demo import run_demo
 
         return 0 if run_demo(args.max_new_tokens, verify=not args.no_verify) else 1
+    if args.command == "generate" and (args.input or args.output):
+        return _batch_job(parser, args)
     if args.command == "generate":
+        if args.prompt is None:
+            parser.error("generate needs a prompt, or --input and --output")
         from .config import PagedCacheConfig
         from .defaults.models import load_default
         from .defaults.prompts import chat_inputs
@@ -52,6 +67,39 @@ def main(argv: list[str] | None = None) -> int:
               f"torch {torch.__version__}; generate patch active: {is_installed()}")
         return 0
     return 2
+
+
+def _batch_job(parser, args) -> int:
+    if not (args.input and args.output):
+        parser.error("a batch job needs both --input and --output")
+    if args.prompt is not None:
+        parser.error("give either a prompt or --input, not both")
+    from .engine import Engine
+    from .worker import SamplingParams
+    from .integrations.jobs import read_rows, run_job
+
+    if args.model == "default":
+        from .defaults.models import load_default
+
+        model, tokenizer = load_default(attn_implementation="hf_paged")
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged",
+                                                     local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, block_size=args.block_size, show_progress=False)
+    try:
+        counts = run_job(engine, tokenizer, read_rows(args.input), args.output, params, column=args.column,
+                         chat=args.chat, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"interrupted; rerun the same command to resume ({args.output} keeps every finished row)")
+        return 130
+    print(f"{counts['written']} rows written, {counts['errors']} error records, {counts['skipped']} already done; "
+          f"{counts['tokens']} tokens in {counts['seconds']:.1f} s -> {args.output}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -12,13 +12,18 @@ Two paths, chosen per call:
   packed real tokens straight from the blocks (`attention.dispatch`).
 * **Dense** (no cache, `DynamicCache`, training): exactly transformers' own sdpa, or the model's own
   eager function where sdpa lacks a feature (softcap, sinks, attention weights), so outputs and
-  gradients match stock bit for bit. The mask for this path is built lazily: the paged path never
-  pays for a dense `[batch, 1, q, kv]` mask.
+  gradients match stock bit for bit.
+
+The mask function hands back a `LazyMask` (the dense mask is built only if a layer asks for it) only
+while a paged step is about to run in this thread (`note_paged_step`): the paged path never pays for
+a dense `[batch, 1, q, kv]` mask. Every other caller (a dense forward, code that pre-builds masks
+through `create_masks_for_generate`) gets the tensor transformers' sdpa would get.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from transformers import AttentionInterface
@@ -53,9 +58,21 @@ class LazyMask:
         return self._built[kind]
 
 
-def paged_mask(**kwargs) -> LazyMask:
-    """Mask function registered under "hf_paged": defer, since the paged path needs no mask."""
-    return LazyMask(kwargs)
+_pending = threading.local()  # .step: the PAGED step whose forward this thread runs next, else None
+
+
+def note_paged_step(step: StepMetadata | None) -> None:
+    """Set (a PAGED step's forward is about to run in this thread) or clear (it ended, or was dropped)
+    what the mask function sees; called by the cache that plans steps."""
+    _pending.step = step if step is not None and step.mode == PAGED else None
+
+
+def paged_mask(**kwargs) -> "LazyMask | torch.Tensor | None":
+    """Mask function registered under "hf_paged": defer while a paged step runs (it needs no mask);
+    otherwise sdpa's own mask (a tensor, or None for plain causal attention without padding)."""
+    if getattr(_pending, "step", None) is not None:
+        return LazyMask(kwargs)
+    return sdpa_mask(**kwargs)
 
 
 def paged_attention_forward(
@@ -134,7 +151,10 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
                      **kwargs):
     needs_eager = softcap is not None or s_aux is not None or kwargs.get("output_attentions", False)
     if needs_eager:
-        mask = attention_mask.build("eager") if isinstance(attention_mask, LazyMask) else attention_mask
+        if isinstance(attention_mask, LazyMask):
+            mask = attention_mask.build("eager")
+        else:
+            mask = _additive_mask(attention_mask, query, key, sliding_window)
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", _eager_attention)
         extra = {"softcap": softcap} if softcap is not None else {}
         if s_aux is not None:
@@ -143,6 +163,24 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
                      sliding_window=sliding_window, **extra, **kwargs)
     mask = attention_mask.build("sdpa") if isinstance(attention_mask, LazyMask) else attention_mask
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _additive_mask(mask, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None):
+    """The eager (additive float) form of an sdpa mask, as transformers' `eager_mask` builds it: a bool
+    mask becomes 0 / dtype-min; None (sdpa's plain causal skip: no padding) becomes the causal mask,
+    sliding-window if the layer slides."""
+    if mask is not None and mask.dtype != torch.bool:
+        return mask
+    if mask is None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        k_pos = torch.arange(kv_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        mask = mask[None, None]
+    return torch.where(mask, torch.tensor(0.0, dtype=query.dtype, device=query.device),
+                       torch.finfo(query.dtype).min)
 
 
 def _eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,

@@ -201,16 +201,23 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
 
-    def finish(self, request: Request) -> None:
-        """Remove a request (finished or aborted) and release its blocks. Idempotent."""
+    def finish(self, request: Request, keep_kv: bool = False) -> KVSequence | None:
+        """Remove a request (finished or aborted) and release its blocks; idempotent. With `keep_kv`
+        its sequence is returned instead, blocks and all (None if it was already finished): the caller
+        owns it, and the request gets an empty one."""
+        kept = None
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
             self.waiting.remove(request)
         if request.status != RequestStatus.FINISHED:
-            self.manager.free(request.seq)
+            if keep_kv:
+                kept, request.seq = request.seq, KVSequence(seq_id=request.seq.seq_id, extra_key=request.seq.extra_key)
+            else:
+                self.manager.free(request.seq)
             request.num_computed_tokens = 0
             request.status = RequestStatus.FINISHED
+        return kept
 
     def schedule(self) -> SchedulerOutput:
         """Decide the next step and allocate its slots (the block tables change here)."""
@@ -248,19 +255,24 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             request = self.waiting[0]
             prompt = request.token_ids
-            # Keep the last token out of the cache hit so it is computed and yields logits.
+            # A sequence handed over with its first tokens computed (a kept sequence continued) starts after
+            # them; any other starts empty. Keep the last token out of the cache hit so it yields logits.
+            held = request.seq.num_tokens
             cacheable = prompt[: len(prompt) - 1]
-            num_cached = self.manager.num_cached_prefix_tokens(request.seq, cacheable) if request.use_prefix_cache else 0
-            num_new = min(len(prompt) - num_cached, budget)
+            num_cached = (self.manager.num_cached_prefix_tokens(request.seq, cacheable)
+                          if request.use_prefix_cache and not held else 0)
+            num_new = min(len(prompt) - held - num_cached, budget)
             blocks = self.manager.num_blocks_needed(request.seq, num_new, num_cached_tokens=num_cached)
             if not self.manager.pool.can_allocate(blocks):
                 break  # FIFO: nobody overtakes the head of the queue
-            out.num_prefix_query_tokens += len(prompt)
+            out.num_prefix_query_tokens += len(prompt) - held
             if num_cached:
                 hit = self.manager.append_cached(request.seq, cacheable[:num_cached])
                 out.copies.extend(hit.copies)
                 num_cached = hit.num_cached_tokens  # == num_cached: the lookup and the take are one step
                 request.num_computed_tokens = num_cached
+            if held:
+                request.num_computed_tokens = held
             request.num_cached_tokens = num_cached
             out.num_prefix_hit_tokens += num_cached
             # Leave the queue only together with joining `running`: an exception anywhere in this step

@@ -35,7 +35,7 @@ import torch
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..config import PagedCacheConfig
-from ..core import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
+from ..core import KVSequence, Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerprint
 from ..hf.support import check_paged_attention_supported
 from ..spec_decode import ProposalRequest, make_proposer, verify_greedy
@@ -65,10 +65,13 @@ class _Group:
     """The `n` samples of one request. Sample 0 is the request itself; it runs alone until its prompt
     is computed, then the others fork from it (sharing every block, copy-on-write)."""
 
-    def __init__(self, request_id: str, n: int):
+    def __init__(self, request_id: str, n: int, retain_kv: bool = False):
         self.request_id = request_id
         self.n = n
         self.members: list[_Tracked | None] = [None] * n
+        # retain_kv: each sample's sequence outlives it (`Engine.kept_kv`), for a caller continuing it.
+        self.retain_kv = retain_kv
+        self.kept: list[KVSequence | None] = [None] * n
         self.forked = n == 1  # nothing to fork
         self.unforked_reason: str | None = None
         self.prompt_logprobs: dict[int, TokenLogprobs] = {}
@@ -102,6 +105,7 @@ class _Tracked:
         self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
         self.scores: list[torch.Tensor] | None = [] if params.output_scores else None
         self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
+        self.kv_prefix: KVSequence | None = None  # a kept sequence it takes over when queued
 
     @property
     def public_id(self) -> str:
@@ -206,6 +210,12 @@ class Engine:
         # at its end: a request of n samples costs one output per step, not one per sample.
         self._updates: dict[str, _Tracked] = {}
         self._consecutive_failed_steps = 0
+        # Sequences finished requests left to their caller (`retain_kv`), by seq_id, until handed to a
+        # new request (`kv_prefix`), freed (`free_kv`, or `release_kv_later` from any thread and any
+        # moment, a finaliser's) or evicted when the pool runs dry.
+        self._held: dict[int, KVSequence] = {}
+        self._to_release: deque[int] = deque()
+        self._finished_groups: dict[str, _Group] = {}
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
         self._lock = threading.RLock()
@@ -243,13 +253,18 @@ class Engine:
         return RequestHandle(self, self.add_owned_request(prompt, sampling_params, request_id, inbox, 0, streamed=True), inbox)
 
     def add_owned_request(self, prompt, sampling_params: SamplingParams | None, request_id: str | None,
-                          inbox: Inbox | None, index: int = 0, streamed: bool = False) -> str:
+                          inbox: Inbox | None, index: int = 0, streamed: bool = False,
+                          kv_prefix: KVSequence | None = None, retain_kv: bool = False) -> str:
         """`add_request` for a front that collects outputs itself (`generate`, `stream`, handles,
         `AsyncEngine`): every token (and the end) of the request is put in `inbox`, whoever steps.
 
         Args:
             index: the request's position among its owner's prompts (`StreamEvent.index`).
             streamed: text arrives incrementally (a detokenizer runs per token).
+            kv_prefix: a sequence this engine kept (`kept_kv`) holding the K/V of the prompt's first
+                tokens: the request takes it over and computes only the rest. If it was evicted or
+                freed meanwhile, the request computes everything (from the prefix cache where it can).
+            retain_kv: keep each sample's sequence when it finishes (`kept_kv`); the caller frees it.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -263,6 +278,9 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the model's "
                 f"max_model_len={self.max_model_len}"
             )
+        if kv_prefix is not None and (not isinstance(kv_prefix, KVSequence) or kv_prefix.num_tokens >= len(prompt_ids)
+                                      or kv_prefix.token_ids != list(prompt_ids[: kv_prefix.num_tokens])):
+            raise ValueError("kv_prefix must be a KVSequence holding a proper prefix of the prompt's tokens")
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         if not self.scheduler.can_ever_fit(max_total):
             raise ValueError(
@@ -287,7 +305,8 @@ class Engine:
             metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
             seed = draw_seed(params.seed)
             tracked = _Tracked(request, params, metrics, detok, inbox, index, self._new_state(params, seed, request),
-                               _Group(request_id, params.n))
+                               _Group(request_id, params.n, retain_kv))
+            tracked.kv_prefix = kv_prefix
             self._requests[request_id] = tracked  # registered first: a step never meets an unknown id
             self._groups[request_id] = tracked.group
         self._post(("add", tracked))
@@ -318,6 +337,10 @@ class Engine:
             self._apply(command)
 
     def _apply_inbox(self) -> None:
+        while self._to_release:
+            seq = self._held.pop(self._to_release.popleft(), None)
+            if seq is not None:
+                self.cache.manager.free(seq)
         while self._inbox:
             *command, done = self._inbox.popleft()
             try:
@@ -327,7 +350,12 @@ class Engine:
 
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
-            self.scheduler.add(command[1].request)
+            tracked = command[1]
+            prefix, tracked.kv_prefix = tracked.kv_prefix, None
+            if prefix is not None and self._held.get(prefix.seq_id) is prefix:
+                del self._held[prefix.seq_id]
+                tracked.request.seq = prefix  # admission starts after its tokens (`Scheduler.schedule`)
+            self.scheduler.add(tracked.request)
         elif command[0] == "abort":
             group = self._groups.get(command[1])
             if group is not None:
@@ -335,6 +363,85 @@ class Engine:
                     if member is not None:
                         self._finish(member, "abort", report=False)  # the caller gets it, not step()
                 command[2].append(self._output(group.members[0]))
+
+    # ------------------------------------------------------------------ kept sequences (retain_kv)
+    def _keep(self, tracked: _Tracked, seq: KVSequence) -> None:
+        """Hold a finished sample's sequence for its caller: the K/V of every token fed to the model
+        (all but the last sampled one)."""
+        extra = seq.num_tokens - (len(tracked.request.token_ids) - 1)
+        if extra > 0:
+            try:
+                self.cache.manager.truncate(seq, extra)
+            except ValueError:  # a sliding group released what that would need: keep nothing
+                self.cache.manager.free(seq)
+                return
+        self._held[seq.seq_id] = seq
+        tracked.group.kept[tracked.sample_index] = seq
+
+    def kept_kv(self, request_id: str) -> list[KVSequence | None]:
+        """The sequences a finished `retain_kv` request left (one per sample, None where nothing was
+        kept), now owned by the caller: hand one to a new request (`kv_prefix`), or `free_kv` it."""
+        with self._lock:
+            group = self._finished_groups.pop(request_id, None)
+            return list(group.kept) if group is not None else []
+
+    def drop_unclaimed_kv(self) -> None:
+        """Free what was kept for requests whose caller never collected it (`kept_kv`), and what
+        `release_kv_later` queued. Only between calls: a caller still running may collect later."""
+        with self._lock:
+            self._apply_inbox()
+            groups, self._finished_groups = list(self._finished_groups.values()), {}
+            self.free_kv(seq for group in groups for seq in group.kept)
+
+    def holds(self, seq: KVSequence) -> bool:
+        """Whether `seq` is a kept sequence of this engine (not evicted, freed or handed on)."""
+        return self._held.get(seq.seq_id) is seq
+
+    def free_kv(self, seqs) -> None:
+        """Free kept sequences (those no longer held are skipped)."""
+        with self._lock:
+            for seq in seqs:
+                if seq is not None and self._held.get(seq.seq_id) is seq:
+                    del self._held[seq.seq_id]
+                    self.cache.manager.free(seq)
+
+    def release_kv_later(self, seq_ids) -> None:
+        """`free_kv` from anywhere (a finaliser, another thread, inside a step): done before the next
+        step or command. Takes no lock."""
+        self._to_release.extend(seq_ids)
+
+    def trim_kv(self, seq: KVSequence, num_tokens: int) -> bool:
+        """Shorten a kept sequence to its first `num_tokens` tokens; returns whether it is still held
+        (a sliding group that released what is needed frees it instead)."""
+        with self._lock:
+            if self._held.get(seq.seq_id) is not seq:
+                return False
+            if seq.num_tokens > num_tokens:
+                try:
+                    self.cache.manager.truncate(seq, seq.num_tokens - num_tokens)
+                except ValueError:
+                    del self._held[seq.seq_id]
+                    self.cache.manager.free(seq)
+                    return False
+            return True
+
+    def fork_kv(self, seq: KVSequence) -> KVSequence | None:
+        """A second kept sequence sharing `seq`'s blocks (copy-on-write), or None if `seq` is not held."""
+        with self._lock:
+            if self._held.get(seq.seq_id) is not seq:
+                return None
+            fork = self.cache.fork_sequence(seq)
+            self._held[fork.seq_id] = fork
+            return fork
+
+    def _evict_kept(self) -> bool:
+        """Free every kept sequence (their owners recompute on use); returns whether any was held."""
+        held, self._held = list(self._held.values()), {}
+        for seq in held:
+            self.cache.manager.free(seq)
+        if held:
+            logger.info("hf_paged: evicted %d kept sequences (returned caches) to make room", len(held))
+        return bool(held)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._inbox)
@@ -401,6 +508,8 @@ class Engine:
             self._metrics.peak_num_running = max(self._metrics.peak_num_running, len(self.scheduler.running))
             for request in sched.preempted:
                 self._note_preempted(self._requests[request.request_id])
+            if sched.is_empty and self.scheduler.has_unfinished and self._evict_kept():
+                sched = self.scheduler.schedule()  # returned caches held the blocks the queue needs
             if sched.is_empty:
                 if self.scheduler.has_unfinished:
                     raise RuntimeError(
@@ -753,7 +862,9 @@ class Engine:
         if tracked.finish_reason is not None:
             return
         tail = self._settle_text(tracked)  # may fail on its own; it then falls back, never raises
-        self.scheduler.finish(tracked.request)
+        kept = self.scheduler.finish(tracked.request, keep_kv=tracked.group.retain_kv and reason != "error")
+        if kept is not None:
+            self._keep(tracked, kept)
         if self.proposer is not None:
             self.proposer.free(tracked.request.request_id)
         tracked.finish_reason = reason
@@ -769,6 +880,8 @@ class Engine:
         if group.finished:
             with self._registry_lock:
                 self._groups.pop(group.request_id, None)
+            if group.retain_kv:
+                self._finished_groups[group.request_id] = group  # until `kept_kv` collects its sequences
         if report:
             self._updates[tracked.public_id] = tracked
         if tracked.inbox is not None:  # each sample's end event; the request's last one carries its output
@@ -843,21 +956,37 @@ class Engine:
         prompts: str | SequenceABC[int] | SequenceABC[str | SequenceABC[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        *,
+        column: str | None = None,
+        kv_prefixes: SequenceABC[KVSequence | None] | None = None,
+        retain_kv: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt; one `RequestOutput` per prompt, in input order.
 
         A prompt that is rejected (empty, too long, out-of-vocabulary ids, bad sampling params) gets an
         output with `finish_reason="error"` and `.error` set, and so does a request whose steps keep
-        failing; the others still run and return their outputs.
+        failing; the others still run and return their outputs. With `column`, `prompts` is a table
+        (a `datasets.Dataset`, or a list of dicts) and each row's `column` is its prompt.
+        `kv_prefixes` (one per prompt) and `retain_kv`: see `add_owned_request`; collect what was kept
+        with `kept_kv(request_id)`.
         """
+        if column is not None:
+            names = getattr(prompts, "column_names", None)
+            if names is not None and column not in names:
+                raise ValueError(f"the dataset has no column {column!r} (it has {names})")
+            try:
+                prompts = list(prompts[column]) if names is not None else [row[column] for row in prompts]
+            except (KeyError, TypeError) as exc:
+                raise ValueError(f"column={column!r} needs a table whose every row has that column ({exc!r})") from exc
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
+        prefixes = _prefix_list(kv_prefixes, len(prompts))
         inbox = Inbox(wants_tokens=False)
         results: dict[int, RequestOutput] = {}
         live: dict[str, int] = {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                live[self.add_owned_request(prompt, p, None, inbox, i)] = i
+                live[self.add_owned_request(prompt, p, None, inbox, i, kv_prefix=prefixes[i], retain_kv=retain_kv)] = i
             except (ValueError, TypeError) as exc:
                 logger.warning("hf_paged: request %d rejected: %s", i, exc)
                 prompt_ids = list(prompt) if not isinstance(prompt, str) else []
@@ -884,20 +1013,25 @@ class Engine:
         self,
         prompts: str | SequenceABC[int] | SequenceABC[str | SequenceABC[int]],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        *,
+        kv_prefixes: SequenceABC[KVSequence | None] | None = None,
+        retain_kv: bool = False,
     ) -> Iterator[StreamEvent]:
         """Yield each token as it is produced, in order per request, for one prompt or many; each
         request's last event has its finish_reason. Another caller's `step()` (or the background
         loop) may produce them: they wait here until this iterator takes them.
 
         Invalid prompts raise before anything runs. Closing the iterator early aborts the requests
-        it started (their blocks are freed)."""
+        it started (their blocks are freed). `kv_prefixes`, `retain_kv`: as for `generate`."""
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
+        prefixes = _prefix_list(kv_prefixes, len(prompts))
         inbox = Inbox(wants_tokens=True)
         live: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                live.append(self.add_owned_request(prompt, p, None, inbox, i, streamed=True))
+                live.append(self.add_owned_request(prompt, p, None, inbox, i, streamed=True, kv_prefix=prefixes[i],
+                                                   retain_kv=retain_kv))
             for event, _ in drain(inbox, len(live), self.advance, self.is_running):
                 yield event
         finally:
@@ -1005,3 +1139,12 @@ class Engine:
     def reset_metrics(self) -> None:
         with self._lock:
             self._metrics.reset()
+
+
+def _prefix_list(kv_prefixes, num_prompts: int) -> list:
+    if kv_prefixes is None:
+        return [None] * num_prompts
+    kv_prefixes = list(kv_prefixes)
+    if len(kv_prefixes) != num_prompts:
+        raise ValueError(f"kv_prefixes has {len(kv_prefixes)} entries for {num_prompts} prompts")
+    return kv_prefixes

@@ -226,6 +226,7 @@ class EngineMetrics:
             "finish_reasons": dict(self.finish_reasons),
             "num_steps": self.num_steps,
             "num_forward_tokens": self.num_forward_tokens,
+            "peak_num_running": self.peak_num_running,
             "step_seconds": self.step_seconds,
             "schedule_seconds": self.schedule_seconds,
             "forward_seconds": self.forward_seconds,

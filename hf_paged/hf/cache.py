@@ -44,6 +44,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import dispatch
+from ..attention.interface import note_paged_step
 from ..attention.kv_quant import KVQuant, KVScales
 from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from ..attention.torch_paged import Workspace, gather_dense
@@ -269,6 +270,8 @@ class PagedCache(Cache):
         if not step.layers_done:
             self._num_columns = step.num_columns
         step.layers_done.add(layer_idx)
+        if len(step.layers_done) == len(self.layers):
+            note_paged_step(None)  # masks built after this forward are for someone else
         layer = self.layers[layer_idx]
         step.active_layer = layer_idx
         if not layer.is_initialized:
@@ -335,6 +338,7 @@ class PagedCache(Cache):
         self._num_columns = 0
         self.stores_padding = False
         self._step = None
+        note_paged_step(None)
 
     # ------------------------------------------------------------------ planning
     def plan_step(
@@ -405,6 +409,7 @@ class PagedCache(Cache):
             raise
         step.workspace = self._workspace
         self._step = step
+        note_paged_step(step)
         return step
 
     def begin_step(self, step: StepMetadata) -> None:
@@ -422,6 +427,7 @@ class PagedCache(Cache):
         self._apply_copies(step.copies)
         step.workspace = self._workspace
         self._step = step
+        note_paged_step(step)
 
     def abandon_step(self, reset_prefix_cache: bool = True) -> None:
         """Forget a step whose forward raised. Blocks hashed for it may hold no K/V, so every hash is
@@ -430,6 +436,7 @@ class PagedCache(Cache):
         if reset_prefix_cache and self._step_is_unfinished():
             self.pool.reset_prefix_cache()
         self._step = None
+        note_paged_step(None)
 
     def new_sequence(self) -> KVSequence:
         """A fresh `KVSequence` salted for this cache (its `cache_salt` and current weights epoch), for

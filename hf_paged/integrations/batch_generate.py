@@ -12,8 +12,9 @@ its prefill; the rows come back as stock orders them (prompt 0's k samples, then
 
 With `return_dict_in_generate=True` it returns a `GenerateDecoderOnlyOutput` with `sequences` and,
 when asked, `scores` / `logits`: one fp32 `[batch * num_return_sequences, vocab]` tensor per generated
-step, the processed logits each token was drawn from / the model's raw logits (there is no per-call
-cache to return: `cache` is None). Stock keeps feeding rows that already finished (pad tokens,
+step, the processed logits each token was drawn from / the model's raw logits, and `cache`: a
+`ReturnedCache` (`returned_cache.py`) that continues in the engine when passed back, reusing each
+row's K/V, and behaves as stock's `DynamicCache` otherwise. Stock keeps feeding rows that already finished (pad tokens,
 attended, at consecutive positions) and reports their scores at the later steps too; the engine
 stops such a row at once, so those steps are computed afterwards the way stock computes them: one
 teacher-forced dense forward of the row's whole padded sequence (its prompt with stock's attention
@@ -25,8 +26,8 @@ The generation config is merged exactly as stock merges it (the model's `generat
 transformers' defaults such as `top_k=50`, the call's keywords, stock's length rules) and mapped field
 by field (`generation_config.py`). Anything the engine does not reproduce exactly returns None from
 `try_engine_generate`, and `generate` runs stock transformers with a `PagedCache` instead: beam search,
-attentions / hidden-states outputs, custom logits processors or stopping criteria, streamers, a cache
-passed in, `inputs_embeds`, a processor the engine lacks, multi-token `sequence_bias`, settings stock
+attentions / hidden-states outputs, custom logits processors, a cache passed in (other than a
+`ReturnedCache` whose columns the call extends), `inputs_embeds`, a processor the engine lacks, multi-token `sequence_bias`, settings stock
 rejects (greedy or assisted `num_return_sequences > 1`: stock raises its own error), and the two cases
 where stock's processors see the left padding as tokens (`_padding_visible_to_processors`). Set
 `model.hf_paged_use_engine = False` to always take that path.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import logging
 import threading
@@ -50,6 +52,7 @@ from ..engine import Engine
 from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
 from ..hf.support import has_latent_kv
+from .returned_cache import ReturnedCache
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
 
 logger = logging.getLogger(__name__)
@@ -60,17 +63,107 @@ _CONFIG_KEYS = frozenset(GenerationConfig().to_dict()) | {"generation_config"}
 # Teacher-forced forwards for finished rows: rows per forward bounded by this many fp32 elements of
 # kept logits plus hidden states.
 _FORWARD_BUDGET = 1 << 26
+# The output field of the returned cache (`cache` since transformers 5.24, `past_key_values` before).
+_CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
-def try_engine_generate(model, inputs, generation_config, kwargs: dict):
-    """Run `model.generate(inputs, generation_config, **kwargs)` through an `Engine`, or return None
-    when the call needs something only stock generate provides."""
+@dataclasses.dataclass
+class EngineCall:
+    """One `generate` call the engine can serve, prepared: its merged config, sampling params and rows
+    (`plan_engine_call`); `engine_kwargs` sizes an engine for it."""
+
+    model: torch.nn.Module
+    gc: GenerationConfig
+    params: object  # SamplingParams
+    input_ids: torch.Tensor  # [batch, width]
+    attention_mask: torch.Tensor  # [batch, width]
+    rows: list[list[int]]  # each row's real tokens
+    pad: int
+    pad_warning: bool
+    eos_ids: list[int]
+    assistant: torch.nn.Module | None
+    streamer: object
+    criteria: StoppingCriteriaList | None
+    passed: ReturnedCache | None
+
+    @property
+    def width(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def is_stepwise(self) -> bool:
+        """Fed step by step (a streamer or stopping criteria see every step)."""
+        return self.streamer is not None or self.criteria is not None
+
+    @property
+    def max_len(self) -> int:
+        return self.width + self.params.max_new_tokens
+
+    @property
+    def retain(self) -> bool:
+        """Stock returns (and updates in place) a cache: keep each row's K/V for a `ReturnedCache`."""
+        return self.gc.use_cache is not False and (self.gc.return_dict_in_generate or self.passed is not None)
+
+    def engine_kwargs(self, num_rows: int | None = None) -> dict:
+        """An engine for `num_rows` rows (default this call's) of this call's longest length."""
+        return _engine_kwargs(self.model, (num_rows or len(self.rows)) * self.params.n, self.max_len)
+
+    def spec_kwargs(self) -> dict:
+        return speculative_kwargs(self.gc, self.assistant)
+
+
+def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: Engine | None = None):
+    """Run `model.generate(inputs, generation_config, **kwargs)` through an `Engine` (the model's, or
+    `engine`, idle, when given), or return None when the call needs something only stock generate
+    provides."""
+    call = plan_engine_call(model, inputs, generation_config, kwargs)
+    if call is None:
+        return None
+    if call.pad_warning:
+        warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{call.pad} for open-end generation.", stacklevel=3)
+    engine_kwargs = call.engine_kwargs()
+    check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], call.max_len)
+    with contextlib.ExitStack() as stack:
+        if engine is None:
+            engine = stack.enter_context(model_engine(model, engine_kwargs, call.spec_kwargs(), call.eos_ids))
+        else:
+            widen_engine(engine, engine_kwargs)
+        passed, rows, params = call.passed, call.rows, call.params
+        prefixes = passed.continuation_prefixes(engine, call.input_ids, call.attention_mask, rows) if passed else None
+        try:
+            if call.is_stepwise:
+                samples, request_ids = _run_stepwise(engine, rows, params, call.input_ids, call.pad, call.streamer,
+                                                     call.criteria, prefixes, call.retain)
+                metrics = engine.metrics()
+            else:
+                outputs = engine.generate(rows, params, kv_prefixes=prefixes, retain_kv=call.retain)
+                metrics = engine.metrics()
+                errors = [o.error for o in outputs if o.error is not None]
+                if errors:
+                    model.hf_paged_last_metrics = metrics
+                    raise errors[0]
+                # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
+                samples = [sample for out in outputs for sample in out.outputs]
+                request_ids = [out.request_id for out in outputs]
+        except BaseException:
+            if passed is not None:
+                passed.release_rows()  # what it handed to the call went with the call
+            raise
+    return build_output(call, engine, samples, request_ids, metrics)
+
+
+def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCall | None:
+    """Prepare `model.generate(inputs, generation_config, **kwargs)` for the engine, or None when the
+    call needs something only stock generate provides. Runs nothing."""
     if not getattr(model, "hf_paged_use_engine", True) or getattr(model.config, "is_encoder_decoder", False):
         return None
     if has_latent_kv(model.config):
         return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
+    passed = passed_cache(kwargs)
     unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"assistant_model", "streamer", "stopping_criteria",
                                                              "tokenizer"}
+    if isinstance(passed, ReturnedCache):
+        unknown -= {"cache", "past_key_values"}
     if unknown:
         logger.debug("hf_paged: stock generate serves this call (arguments %s)", sorted(unknown))
         return None
@@ -111,6 +204,9 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
     rows = _left_padded_rows(input_ids, attention_mask)
     if rows is None:
         return None
+    if passed is not None and passed.continuation_prefixes(None, input_ids, attention_mask, rows) is None:
+        logger.debug("hf_paged: stock generate serves this call (it does not extend the cache passed in)")
+        return None
     if _padding_visible_to_processors(params, rows, width, pad, before_run=True):
         logger.debug("hf_paged: stock generate serves this call (its processors see the left padding)")
         return None
@@ -144,29 +240,26 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         logger.debug("hf_paged: stock generate serves this call (streamer/criteria with n=%d, scores or n-grams)",
                      params.n)
         return None
-    if pad_warning:
-        warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{pad} for open-end generation.", stacklevel=3)
-    n = params.n
-    max_len = width + params.max_new_tokens
-    engine_kwargs = _engine_kwargs(model, len(rows) * n, max_len)
-    check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], max_len)
-    with model_engine(model, engine_kwargs, speculative_kwargs(gc, assistant), eos_ids) as engine:
-        if streamer is not None or criteria is not None:
-            samples = _run_stepwise(engine, rows, params, input_ids, pad, streamer, criteria)
-            metrics = engine.metrics()
-        else:
-            outputs = engine.generate(rows, params)
-            metrics = engine.metrics()
-            errors = [o.error for o in outputs if o.error is not None]
-            if errors:
-                model.hf_paged_last_metrics = metrics
-                raise errors[0]
-            # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
-            samples = [sample for out in outputs for sample in out.outputs]
+    return EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
+                      rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
+                      streamer=streamer, criteria=criteria, passed=passed)
+
+
+def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):
+    """What stock `generate` returns for `call`, from the engine's samples (one per output row) and the
+    rows' request ids; None when stock must serve the call after all (its n-gram processor would have
+    seen the padding). A `ReturnedCache` takes the rows' kept K/V."""
+    model, gc, params, rows, pad, width = call.model, call.gc, call.params, call.rows, call.pad, call.width
+    input_ids, attention_mask, passed, n = call.input_ids, call.attention_mask, call.passed, params.n
+    kept = _kept_rows(engine, request_ids, rows, samples, n) if call.retain else None
     sample_rows = [rows[i // n] for i in range(len(samples))]
     if _padding_visible_to_processors(params, sample_rows, width, pad, before_run=False,
                                       generated=[s.token_ids for s in samples]):
         logger.debug("hf_paged: stock generate serves this call (its n-gram processor sees the left padding)")
+        if kept is not None:
+            engine.free_kv(kept)
+        if passed is not None:
+            passed.release_rows()
         return None
     model.hf_paged_last_metrics = metrics  # introspection: the last engine-served call
     device = input_ids.device
@@ -175,6 +268,16 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
     sequences[:, :width] = input_ids.repeat_interleave(n, dim=0) if n > 1 else input_ids
     for row, sample in enumerate(samples):
         sequences[row, width: width + len(sample.token_ids)] = torch.tensor(sample.token_ids, dtype=torch.long)
+    cache = None
+    if call.retain:
+        mask = attention_mask.to(device="cpu", dtype=torch.long)
+        mask = mask.repeat_interleave(n, dim=0) if n > 1 else mask
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], generated - 1)], dim=1)
+        if passed is not None:
+            passed.adopt(engine, sequences[:, :-1], mask, kept)
+            cache = passed
+        else:
+            cache = ReturnedCache(model, engine, sequences[:, :-1], mask, kept)
     if not gc.return_dict_in_generate:
         return sequences
     scores = logits = None
@@ -182,11 +285,30 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict):
         mask = attention_mask.to(device=device, dtype=torch.long)
         mask = mask.repeat_interleave(n, dim=0) if n > 1 else mask
         scores, logits = _stock_rows_after_finish(model, gc, sequences, mask, width, samples, params)
-    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits)
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits,
+                                     **({_CACHE_FIELD: cache} if cache is not None else {}))
+
+
+def passed_cache(kwargs: dict):
+    """The cache object a generate call passed (`cache=`, or `past_key_values=` before 5.24)."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def _kept_rows(engine: Engine, request_ids: list[str | None], rows: list[list[int]], samples, n: int) -> list:
+    """Per output row, the engine sequence kept for it (trimmed to the row's fed tokens: its prompt and
+    all its generated tokens but the last), or None."""
+    kept = []
+    for i, rid in enumerate(request_ids):
+        seqs = engine.kept_kv(rid) if rid is not None else []
+        kept.extend(seqs + [None] * (n - len(seqs)))
+    for r, (seq, sample) in enumerate(zip(kept, samples)):
+        if seq is not None and not engine.trim_kv(seq, len(rows[r // n]) + max(len(sample.token_ids) - 1, 0)):
+            kept[r] = None
+    return kept
 
 
 def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torch.Tensor, pad: int, streamer,
-                  criteria) -> list:
+                  criteria, prefixes=None, retain: bool = False) -> tuple[list, list]:
     """Run the rows through `engine.stream` and replay stock's per-step loop over what comes out.
 
     Step t happens once every row still running has its t-th token: the column of this step's tokens
@@ -196,7 +318,8 @@ def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torc
     up to this step and its request is aborted (blocks freed at once); then `streamer` gets the
     column. `streamer.put` of the prompt ids comes first and `end()` last, as in stock. Rows run
     independently in the engine, so a row that ran ahead of a stop loses only tokens stock never
-    made. Returns the samples (`CompletionOutput`) in row order.
+    made. `prefixes`, `retain`: as for `Engine.stream`. Returns the samples (`CompletionOutput`) in
+    row order and the rows' request ids.
 
     Raises:
         RuntimeError: a request failed in the engine (stock would have raised from its forward).
@@ -232,7 +355,7 @@ def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torc
                 streamer.put(torch.tensor(column, dtype=torch.long))
             steps += 1
 
-    for event in engine.stream(rows, params):
+    for event in engine.stream(rows, params, kv_prefixes=prefixes, retain_kv=retain):
         i = event.index
         request_ids[i] = event.request_id
         if stopped[i]:
@@ -248,7 +371,7 @@ def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torc
     failed = [i for i, r in enumerate(reasons) if r == "error"]
     if failed:
         raise RuntimeError(f"hf_paged: the engine failed rows {failed}")
-    return [CompletionOutput(0, token_ids=t, finish_reason=r) for t, r in zip(tokens, reasons)]
+    return [CompletionOutput(0, token_ids=t, finish_reason=r) for t, r in zip(tokens, reasons)], request_ids
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -359,10 +482,8 @@ def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[in
                tuple(sorted((k, id(v) if isinstance(v, torch.nn.Module) else v) for k, v in spec_kwargs.items())))
         engine = slot.engine
         if engine is not None and slot.key == key and not engine.scheduler.has_unfinished:
-            engine.scheduler.max_num_seqs = max(engine.scheduler.max_num_seqs, engine_kwargs["max_num_seqs"])
-            engine.max_model_len = max(engine.max_model_len, engine_kwargs["max_model_len"])
-            if engine_kwargs["num_blocks"] is not None:
-                engine.cache.grow_to(engine_kwargs["num_blocks"])
+            engine.drop_unclaimed_kv()
+            widen_engine(engine, engine_kwargs)
             engine.eos_token_ids = list(eos_ids)
             engine.reset_metrics()
         else:
@@ -372,6 +493,16 @@ def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[in
         yield engine
     finally:
         slot.lock.release()
+
+
+def widen_engine(engine: Engine, engine_kwargs: dict) -> None:
+    """Let `engine` take a call sized by `engine_kwargs`: its `max_num_seqs` and `max_model_len` widen,
+    and its pool grows to the call's blocks on top of those in use (returned caches', or other
+    requests' between steps). Never shrinks anything."""
+    engine.scheduler.max_num_seqs = max(engine.scheduler.max_num_seqs, engine_kwargs["max_num_seqs"])
+    engine.max_model_len = max(engine.max_model_len, engine_kwargs["max_model_len"])
+    if engine_kwargs["num_blocks"] is not None:
+        engine.cache.grow_to(engine_kwargs["num_blocks"] + engine.cache.pool.num_used_blocks)
 
 
 def release(model) -> bool:

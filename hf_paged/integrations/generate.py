@@ -1,12 +1,14 @@
 """`generate` for models loaded with `attn_implementation="hf_paged"`.
 
-Two small wraps, both undone by `uninstall()`:
+Three small wraps, all undone by `uninstall()`:
 
 * `GenerationMixin.generate`: a plain batched call (greedy or sampling, `num_return_sequences`,
   `output_scores` / `output_logits`, a streamer; no beams, attentions or custom processors) runs
   through the continuous-batching `Engine` (`integrations.batch_generate`), returning what stock
   returns. A call for a static (compileable) cache runs stock generate with transformers' sdpa for
   that call (warned once). Any other call goes on to stock generate unchanged.
+* `TextGenerationPipeline.get_iterator`: batches of a pipeline over such a model are queued in the
+  engine ahead of its consumer, for continuous batching across batches (`integrations.pipeline`).
 * `GenerationMixin._prepare_cache_for_generation` (private; transformers has no registry for cache
   classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any
   `PagedCache` in play is attached (`hf_paged.hf.attach`).
@@ -16,6 +18,8 @@ The only module that patches transformers: checked against the installed version
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import warnings
@@ -27,6 +31,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..config import PagedCacheConfig
 from ..hf import PagedCache, attach
+from .returned_cache import ReturnedCache
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +40,8 @@ SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
 _TARGET = "_prepare_cache_for_generation"
 _original = None
 _original_generate = None
+# (model, answer): inside `intercept_generate`, that model's `generate` calls are answered by `answer`.
+_intercept: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_intercept", default=None)
 
 
 def is_supported_version(version: str | None = None) -> bool:
@@ -63,6 +70,9 @@ def install() -> bool:
     original = getattr(GenerationMixin, _TARGET)
     _original = original
     _install_generate()
+    from . import pipeline
+
+    pipeline.install()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
@@ -106,6 +116,11 @@ def _install_generate() -> None:
 
     @functools.wraps(original_generate)
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        hook = _intercept.get()
+        if hook is not None and hook[0] is self:
+            result = hook[1](self, inputs, generation_config, args, kwargs)
+            if result is not NotImplemented:
+                return result
         if self.config._attn_implementation == "hf_paged" and _wants_compileable_cache(self, generation_config, kwargs):
             return _generate_without_paging(self, original_generate, inputs, generation_config, *args, **kwargs)
         if self.config._attn_implementation == "hf_paged" and not args:
@@ -114,9 +129,24 @@ def _install_generate() -> None:
             result = try_engine_generate(self, inputs, generation_config, kwargs)
             if result is not None:
                 return result
+        passed = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(passed, ReturnedCache):
+            passed.to_dense()  # stock generate continues from what stock would have returned
         return original_generate(self, inputs, generation_config, *args, **kwargs)
 
     GenerationMixin.generate = generate
+
+
+@contextlib.contextmanager
+def intercept_generate(model, answer):
+    """Within the block (this thread or task), `model.generate(inputs, generation_config, *args,
+    **kwargs)` returns `answer(model, inputs, generation_config, args, kwargs)` instead of generating;
+    an answer of `NotImplemented` lets the call generate as usual (the pipeline integration uses it)."""
+    token = _intercept.set((model, answer))
+    try:
+        yield
+    finally:
+        _intercept.reset(token)
 
 
 def _wants_compileable_cache(model, generation_config, kwargs: dict) -> bool:
@@ -156,6 +186,9 @@ def uninstall() -> None:
     if _original_generate is not None:
         GenerationMixin.generate = _original_generate
         _original_generate = None
+    from . import pipeline
+
+    pipeline.uninstall()
 
 
 def _check_fits(cache: PagedCache, generation_config) -> None:

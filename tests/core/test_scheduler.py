@@ -897,6 +897,33 @@ def test_finish_keeps_blocks_shared_with_a_live_request():
     assert pool.num_free_blocks == pool.num_blocks
 
 
+def test_finish_with_keep_kv_hands_over_the_sequence_and_a_new_request_continues_it():
+    """A finished request's sequence kept for its caller (a returned cache), then handed to a new
+    request whose prompt extends it: admission starts after the held tokens, with the partial last
+    block appended to in place, and only the rest is scheduled."""
+    pool, s = make(16, 4)
+    first = req(range(1, 7), max_new=3)
+    s.add(first)
+    step(s)  # 6 prompt tokens, then one sampled
+    step(s)
+    kept = s.finish(first, keep_kv=True)
+    assert kept is not None and kept.num_tokens == 7 and first.seq.num_tokens == 0
+    assert first.status == RequestStatus.FINISHED and pool.num_used_blocks == 2  # held, not freed
+    assert s.finish(first, keep_kv=True) is None  # idempotent
+    tokens, blocks = list(kept.token_ids), list(kept.block_table)
+    nxt = Request(request_id="next", token_ids=tokens + [fake_next(tokens), 9, 9], num_prompt_tokens=10,
+                  max_total_tokens=14, seq=kept)
+    s.add(nxt)
+    out = s.schedule()
+    (entry,) = out.scheduled
+    assert entry.start == 7 and entry.token_ids == nxt.token_ids[7:] and entry.samples
+    assert out.num_prefix_hit_tokens == 0 and out.num_prefix_query_tokens == 3
+    assert nxt.seq is kept and kept.block_table[:2] == blocks and pool.num_used_blocks == 3  # no copy
+    s.finish(nxt)
+    assert pool.num_free_blocks == pool.num_blocks
+    pool.check_invariants()
+
+
 # --- liveness under heavy preemption --------------------------------------------------------------
 
 

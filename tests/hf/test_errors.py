@@ -184,11 +184,11 @@ def test_custom_mask_functions_are_refused_on_the_paged_path():
     ids, mask = left_padded_batch([6])
     embeds = model.get_input_embeddings()(ids)
     bidirectional = lambda batch_idx, head_idx, q_idx, kv_idx: True  # noqa: E731
+    meta = cache.plan_step(batch_size=1, q_len=6, mode=PAGED, device=torch.device("cpu"), dtype=torch.float32,
+                           input_ids=ids, attention_mask=mask)  # masks built from here on are the paged step's
     lazy = create_causal_mask(model.config, embeds, mask, cache, or_mask_function=bidirectional)
     assert not lazy.is_plain_causal
     assert create_causal_mask(model.config, embeds, mask, cache).is_plain_causal
-    meta = cache.plan_step(batch_size=1, q_len=6, mode=PAGED, device=torch.device("cpu"), dtype=torch.float32,
-                           input_ids=ids, attention_mask=mask)
     layer = model.model.layers[0].self_attn
     q = torch.zeros(1, 6, 6, 16)
     with pytest.raises(ValueError, match="causal and sliding-window masks only"):

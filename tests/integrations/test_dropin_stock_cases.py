@@ -96,3 +96,27 @@ def test_logits_to_keep_gives_stocks_logits(arch):
             ref = stock(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
             out = ours(input_ids=ids, attention_mask=mask, logits_to_keep=keep).logits
             torch.testing.assert_close(out, ref, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_masks_built_outside_generate_are_tensors_the_model_accepts(arch):
+    """Code that pre-builds masks through `create_masks_for_generate` (as generate does for static
+    caches) gets sdpa's own mask, never a `LazyMask`, and a forward fed that mask gives stock's logits."""
+    from transformers import StaticCache
+    from transformers.masking_utils import create_masks_for_generate
+
+    stock, ours = _pair(arch)
+    ids, mask = left_padded_batch([5, 12, 9], seed=6)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = []
+    for model in (stock, ours):
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        embeds = model.get_input_embeddings()(ids)
+        built = create_masks_for_generate(config=model.config, inputs_embeds=embeds, attention_mask=mask,
+                                          cache=cache, position_ids=positions)
+        masks = built.values() if isinstance(built, dict) else [built]
+        assert all(m is None or isinstance(m, torch.Tensor) for m in masks), type(built)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=built, position_ids=positions, cache=cache, use_cache=True)
+        logits.append(out.logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=LOGITS_ATOL, rtol=0)

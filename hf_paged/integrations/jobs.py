@@ -1,0 +1,246 @@
+"""Batch jobs: generate a completion for every row of a dataset file and write them out as they
+finish, resumable (`hf-paged generate --input ... --output ...`).
+
+* Input: a `.jsonl`, `.json` (a list of objects), `.csv` or `.parquet` file, or a folder written by
+  `datasets.Dataset.save_to_disk`; the prompt is the row's `column` (a string, or with `chat=True`
+  a user message, or a list of chat messages, rendered with the tokenizer's chat template).
+* Output: one JSON line per row, `{"index", "prompt", "completion", "token_ids", "finish_reason",
+  "error"}`, appended (and flushed) the moment the row finishes, in finishing order.
+* Resume: rows whose index is already in the output are skipped, so a run that was interrupted
+  (Ctrl-C, SIGTERM, SIGKILL, a crash) and started again ends with exactly one record per row; a
+  last line cut short by a kill is dropped first. A row's result does not depend on the rows run
+  beside it (greedy, or sampling seeded per row: `seed + index`), so a resumed run writes what an
+  uninterrupted one would.
+* A bad row (no prompt, empty, too long, not text) gets a record with `error` set; the job goes on.
+* Every row runs through one `Engine`, at most `max_in_flight` rows queued at a time, with a tqdm
+  progress bar (rows, and generated tokens per second).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..engine import Engine
+from ..worker import SamplingParams
+from ..engine.delivery import Inbox
+
+logger = logging.getLogger(__name__)
+
+INPUT_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+
+
+def read_rows(path: str | os.PathLike) -> Iterator[dict]:
+    """The rows of a dataset file or saved `datasets` folder, as dicts, in order.
+
+    Raises:
+        ValueError: an unknown file type; ImportError: parquet or a saved dataset without `datasets`.
+    """
+    path = Path(path)
+    if path.is_dir():
+        dataset = _datasets("a saved dataset folder").load_from_disk(str(path))
+        yield from dataset
+        return
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        yield json.loads(line)
+                    except json.JSONDecodeError:
+                        yield {"__error__": f"line {n} is not valid JSON"}
+    elif suffix == ".json":
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json input must hold a list of objects")
+        yield from data
+    elif suffix == ".csv":
+        with open(path, encoding="utf-8", newline="") as f:
+            yield from csv.DictReader(f)
+    elif suffix == ".parquet":
+        yield from _datasets("parquet input").Dataset.from_parquet(str(path))
+    else:
+        raise ValueError(f"{path}: unknown input type {suffix!r}; use one of {', '.join(INPUT_SUFFIXES)} or a folder "
+                         "written by datasets.Dataset.save_to_disk")
+
+
+def _datasets(what: str):
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"{what} needs the `datasets` package: pip install 'hf_paged[data]'") from exc
+    return datasets
+
+
+def done_indices(output: str | os.PathLike) -> set[int]:
+    """Indices already in `output`; a last line cut short (a killed run) is removed from the file."""
+    path = Path(output)
+    if not path.exists():
+        return set()
+    done: set[int] = set()
+    keep = 0  # bytes of complete, valid lines
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            done.add(int(record["index"]))
+            keep += len(line)
+    if keep != path.stat().st_size:
+        logger.warning("hf_paged: dropping a partial last record in %s (an interrupted run)", path)
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    return done
+
+
+def prompt_of(row: dict, column: str, tokenizer, chat: bool):
+    """The row's prompt as token ids (chat-templated with `chat`).
+
+    Raises:
+        ValueError/TypeError: no such column, an empty prompt, or one of the wrong type.
+    """
+    if "__error__" in row:
+        raise ValueError(row["__error__"])
+    if column not in row:
+        raise ValueError(f"the row has no column {column!r} (it has {sorted(row)})")
+    value = row[column]
+    if chat:
+        messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
+        if not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise TypeError(f"column {column!r} must hold a string or a list of chat messages, got {value!r:.80}")
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    if not isinstance(value, str):
+        raise TypeError(f"column {column!r} must hold a string, got {type(value).__name__}")
+    if not value:
+        raise ValueError("the prompt is empty")
+    return tokenizer(value)["input_ids"]
+
+
+def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: SamplingParams, *,
+            column: str = "prompt", chat: bool = False, max_in_flight: int | None = None,
+            progress: bool = True) -> dict:
+    """Generate for every row not yet in `output`, appending a record per row as it finishes.
+
+    Args:
+        engine: runs every row (its tokenizer decodes the completions).
+        rows: an iterable of dicts (`read_rows`).
+        params: every row's sampling; with `params.seed` set, row `i` uses `seed + i`.
+        max_in_flight: rows queued at once (default four times the engine's `max_num_seqs`).
+
+    Returns:
+        counts: `written`, `errors`, `skipped` (already in the output) and `seconds`.
+    """
+    done = done_indices(output)
+    limit = max_in_flight or 4 * engine.scheduler.max_num_seqs
+    inbox = Inbox(wants_tokens=False)
+    live: dict[str, tuple[int, str]] = {}  # request id -> (row index, prompt text)
+    counts = dict(written=0, errors=0, skipped=0, tokens=0)
+    began = time.perf_counter()
+    bar = _bar(progress)
+    stop = _StopOnSigterm()
+    with open(output, "a", encoding="utf-8") as out, stop:
+        def write(record: dict) -> None:
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            counts["errors" if record["error"] else "written"] += 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(tok_s=f"{counts['tokens'] / max(time.perf_counter() - began, 1e-9):.1f}")
+
+        def collect(wait: bool) -> None:
+            """Write every finished row; with `wait`, step the engine until one finishes first."""
+            while live:
+                try:
+                    _, final = inbox.get_nowait()
+                except queue.Empty:
+                    if not wait:
+                        return
+                    engine.advance()
+                    continue
+                if final is None:
+                    continue
+                wait = False
+                index, prompt = live.pop(final.request_id)
+                sample = final.outputs[0]
+                counts["tokens"] += len(sample.token_ids)
+                error = None if sample.error is None and sample.finish_reason != "error" else str(sample.error)
+                write(dict(index=index, prompt=prompt, completion=None if error else sample.text,
+                           token_ids=None if error else list(sample.token_ids),
+                           finish_reason=sample.finish_reason, error=error))
+
+        try:
+            for index, row in enumerate(rows):
+                if index in done:
+                    counts["skipped"] += 1
+                    continue
+                text = row.get(column) if isinstance(row, dict) else None
+                shown = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+                try:
+                    if not isinstance(row, dict):
+                        raise TypeError(f"row {index} is a {type(row).__name__}, not an object")
+                    ids = prompt_of(row, column, tokenizer, chat)
+                    row_params = params if params.seed is None else _with_seed(params, params.seed + index)
+                    rid = engine.add_owned_request(ids, row_params, None, inbox, index)
+                except (ValueError, TypeError) as exc:
+                    write(dict(index=index, prompt=shown, completion=None, token_ids=None, finish_reason="error",
+                               error=str(exc)))
+                    continue
+                live[rid] = (index, shown)
+                collect(wait=len(live) >= limit)
+            while live:
+                collect(wait=True)
+        finally:
+            for rid in list(live):
+                engine.abort(rid)
+            if bar is not None:
+                bar.close()
+    counts["seconds"] = time.perf_counter() - began
+    return counts
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return dataclasses.replace(params, seed=seed)
+
+
+def _bar(progress: bool):
+    if not progress:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(desc="hf_paged", unit="row", dynamic_ncols=True)
+
+
+class _StopOnSigterm:
+    """Within the block, SIGTERM ends the job like Ctrl-C (KeyboardInterrupt): the records written so
+    far are complete and flushed, and a rerun resumes after them. Only in the main thread."""
+
+    def __enter__(self):
+        self._previous = None
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+        except ValueError:  # not the main thread
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+        return False
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
