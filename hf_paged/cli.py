@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
     gen.add_argument("--max-num-seqs", type=int, default=64, help="rows running at once")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
+    gen.add_argument("--device", default=None, help="where the model runs (default: cuda if present, else cpu)")
+    gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     sub.add_parser("info", help="versions and the supported transformers range")
     planner_cli.add_subcommands(sub)
     args = parser.parse_args(argv)
@@ -75,18 +77,30 @@ def _batch_job(parser, args) -> int:
     if args.prompt is not None:
         parser.error("give either a prompt or --input, not both")
     from .engine import Engine
+    from .integrations.jobs import done_indices, read_rows, run_job
     from .worker import SamplingParams
-    from .integrations.jobs import read_rows, run_job
 
+    try:
+        done_indices(args.output)  # before loading anything: an --output that is some other file stops here
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype, None)
+    if dtype is None:
+        parser.error(f"--dtype {args.dtype!r}: use auto, float32, bfloat16 or float16")
     if args.model == "default":
         from .defaults.models import load_default
 
-        model, tokenizer = load_default(attn_implementation="hf_paged")
+        model, tokenizer = load_default(attn_implementation="hf_paged", device=device,
+                                        **({} if dtype == "auto" else {"dtype": dtype}))
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged",
-                                                     local_files_only=True).eval()
+        model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype=dtype,
+                                                     local_files_only=True).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)

@@ -154,7 +154,7 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         if isinstance(attention_mask, LazyMask):
             mask = attention_mask.build("eager")
         else:
-            mask = _additive_mask(attention_mask, query, key, sliding_window)
+            mask = _additive_mask(attention_mask, query, key, sliding_window, getattr(module, "is_causal", True))
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", _eager_attention)
         extra = {"softcap": softcap} if softcap is not None else {}
         if s_aux is not None:
@@ -165,12 +165,14 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _additive_mask(mask, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None):
+def _additive_mask(mask, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None, causal: bool = True):
     """The eager (additive float) form of an sdpa mask, as transformers' `eager_mask` builds it: a bool
-    mask becomes 0 / dtype-min; None (sdpa's plain causal skip: no padding) becomes the causal mask,
-    sliding-window if the layer slides."""
+    mask becomes 0 / dtype-min; None (sdpa's skip: no padding) becomes the causal mask (sliding-window
+    if the layer slides) for a causal module, and stays None (attend to everything) for another."""
     if mask is not None and mask.dtype != torch.bool:
         return mask
+    if mask is None and not causal:
+        return None
     if mask is None:
         q_len, kv_len = query.shape[2], key.shape[2]
         q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]

@@ -219,6 +219,18 @@ class Scheduler:
             request.status = RequestStatus.FINISHED
         return kept
 
+    def release_waiting(self) -> bool:
+        """Free the blocks of waiting requests that hold some (a sequence handed over with its first
+        tokens computed): they are recomputed on admission. For a pool so full that nothing can be
+        scheduled; returns whether any block was freed."""
+        freed = False
+        for request in self.waiting:
+            if request.seq.num_tokens or any(request.seq.block_tables):
+                self.manager.free(request.seq)
+                request.num_computed_tokens = 0
+                freed = True
+        return freed
+
     def schedule(self) -> SchedulerOutput:
         """Decide the next step and allocate its slots (the block tables change here)."""
         self.manager.pool.discard_staged()  # a step planned before this one has run or failed by now

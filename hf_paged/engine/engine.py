@@ -214,7 +214,7 @@ class Engine:
         # new request (`kv_prefix`), freed (`free_kv`, or `release_kv_later` from any thread and any
         # moment, a finaliser's) or evicted when the pool runs dry.
         self._held: dict[int, KVSequence] = {}
-        self._to_release: deque[int] = deque()
+        self._to_release: deque[KVSequence] = deque()
         self._finished_groups: dict[str, _Group] = {}
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
@@ -338,8 +338,9 @@ class Engine:
 
     def _apply_inbox(self) -> None:
         while self._to_release:
-            seq = self._held.pop(self._to_release.popleft(), None)
-            if seq is not None:
+            seq = self._to_release.popleft()
+            if self._held.get(seq.seq_id) is seq:
+                del self._held[seq.seq_id]
                 self.cache.manager.free(seq)
         while self._inbox:
             *command, done = self._inbox.popleft()
@@ -405,10 +406,10 @@ class Engine:
                     del self._held[seq.seq_id]
                     self.cache.manager.free(seq)
 
-    def release_kv_later(self, seq_ids) -> None:
+    def release_kv_later(self, seqs) -> None:
         """`free_kv` from anywhere (a finaliser, another thread, inside a step): done before the next
         step or command. Takes no lock."""
-        self._to_release.extend(seq_ids)
+        self._to_release.extend(seqs)
 
     def trim_kv(self, seq: KVSequence, num_tokens: int) -> bool:
         """Shorten a kept sequence to its first `num_tokens` tokens; returns whether it is still held
@@ -508,8 +509,11 @@ class Engine:
             self._metrics.peak_num_running = max(self._metrics.peak_num_running, len(self.scheduler.running))
             for request in sched.preempted:
                 self._note_preempted(self._requests[request.request_id])
-            if sched.is_empty and self.scheduler.has_unfinished and self._evict_kept():
-                sched = self.scheduler.schedule()  # returned caches held the blocks the queue needs
+            if sched.is_empty and self.scheduler.has_unfinished and (self._evict_kept()
+                                                                     or self.scheduler.release_waiting()):
+                # Returned caches, or waiting requests' handed-over prefixes, held the blocks the queue
+                # needs: they are recomputed instead (mostly from the prefix cache).
+                sched = self.scheduler.schedule()
             if sched.is_empty:
                 if self.scheduler.has_unfinished:
                     raise RuntimeError(

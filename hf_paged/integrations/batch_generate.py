@@ -443,6 +443,7 @@ class _EngineSlot:
         self.lock = threading.Lock()
         self.key: tuple | None = None
         self.engine: Engine | None = None
+        self.release_pending = False  # `release` came while a call held the engine: drop it after
 
     def __deepcopy__(self, memo):
         return _EngineSlot()
@@ -483,7 +484,7 @@ def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[in
         engine = slot.engine
         if engine is not None and slot.key == key and not engine.scheduler.has_unfinished:
             engine.drop_unclaimed_kv()
-            widen_engine(engine, engine_kwargs)
+            widen_engine(engine, engine_kwargs, kept_blocks=engine.cache.pool.num_used_blocks)  # idle: all kept
             engine.eos_token_ids = list(eos_ids)
             engine.reset_metrics()
         else:
@@ -492,27 +493,36 @@ def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[in
             slot.key, slot.engine = key, engine
         yield engine
     finally:
+        if slot.release_pending:
+            slot.engine, slot.key, slot.release_pending = None, None, False
         slot.lock.release()
 
 
-def widen_engine(engine: Engine, engine_kwargs: dict) -> None:
+def widen_engine(engine: Engine, engine_kwargs: dict, kept_blocks: int = 0) -> None:
     """Let `engine` take a call sized by `engine_kwargs`: its `max_num_seqs` and `max_model_len` widen,
-    and its pool grows to the call's blocks on top of those in use (returned caches', or other
-    requests' between steps). Never shrinks anything."""
+    and its pool grows to the call's blocks plus `kept_blocks` (what returned caches hold in it, for an
+    idle engine its blocks in use). Never shrinks anything."""
     engine.scheduler.max_num_seqs = max(engine.scheduler.max_num_seqs, engine_kwargs["max_num_seqs"])
     engine.max_model_len = max(engine.max_model_len, engine_kwargs["max_model_len"])
     if engine_kwargs["num_blocks"] is not None:
-        engine.cache.grow_to(engine_kwargs["num_blocks"] + engine.cache.pool.num_used_blocks)
+        engine.cache.grow_to(engine_kwargs["num_blocks"] + kept_blocks)
 
 
 def release(model) -> bool:
-    """Drop the engine the drop-in `generate` keeps for `model` (its KV pool and prefix cache); the
-    next call builds a new one. Returns whether there was one."""
+    """Drop the engine the drop-in `generate` keeps for `model` (its KV pool and prefix cache, and the
+    blocks returned caches keep there); the next call builds a new one. Never waits: while a call (or a
+    pipeline being iterated) uses the engine, it is dropped when that ends. Returns whether there was
+    one."""
     slot = model.__dict__.get(_ENGINE_ATTR)
     if slot is None or slot.engine is None:
         return False
-    with slot.lock:
-        slot.engine, slot.key = None, None
+    if slot.lock.acquire(blocking=False):
+        try:
+            slot.engine, slot.key = None, None
+        finally:
+            slot.lock.release()
+    else:
+        slot.release_pending = True
     return True
 
 

@@ -40,7 +40,7 @@ SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
 _TARGET = "_prepare_cache_for_generation"
 _original = None
 _original_generate = None
-# (model, answer): inside `intercept_generate`, that model's `generate` calls are answered by `answer`.
+# Inside `intercept_generate`: the function answering `generate` calls.
 _intercept: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_intercept", default=None)
 
 
@@ -116,9 +116,9 @@ def _install_generate() -> None:
 
     @functools.wraps(original_generate)
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
-        hook = _intercept.get()
-        if hook is not None and hook[0] is self:
-            result = hook[1](self, inputs, generation_config, args, kwargs)
+        answer = _intercept.get()
+        if answer is not None:
+            result = answer(self, inputs, generation_config, args, kwargs)
             if result is not NotImplemented:
                 return result
         if self.config._attn_implementation == "hf_paged" and _wants_compileable_cache(self, generation_config, kwargs):
@@ -138,11 +138,12 @@ def _install_generate() -> None:
 
 
 @contextlib.contextmanager
-def intercept_generate(model, answer):
-    """Within the block (this thread or task), `model.generate(inputs, generation_config, *args,
-    **kwargs)` returns `answer(model, inputs, generation_config, args, kwargs)` instead of generating;
-    an answer of `NotImplemented` lets the call generate as usual (the pipeline integration uses it)."""
-    token = _intercept.set((model, answer))
+def intercept_generate(answer):
+    """Within the block (this thread or task), a `model.generate(inputs, generation_config, *args,
+    **kwargs)` call of any model (a wrapper such as PEFT's calls its base model's) returns
+    `answer(model, inputs, generation_config, args, kwargs)` instead of generating; an answer of
+    `NotImplemented` lets the call generate as usual (the pipeline integration uses it)."""
+    token = _intercept.set(answer)
     try:
         yield
     finally:

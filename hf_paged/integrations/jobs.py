@@ -12,6 +12,8 @@ finish, resumable (`hf-paged generate --input ... --output ...`).
   beside it (greedy, or sampling seeded per row: `seed + index`), so a resumed run writes what an
   uninterrupted one would.
 * A bad row (no prompt, empty, too long, not text) gets a record with `error` set; the job goes on.
+  A row the engine failed on (a step that kept failing) gets one too, marked `"retry": true`: a
+  rerun replaces it with the row's result.
 * Every row runs through one `Engine`, at most `max_in_flight` rows queued at a time, with a tqdm
   progress bar (rows, and generated tokens per second).
 """
@@ -83,26 +85,40 @@ def _datasets(what: str):
 
 
 def done_indices(output: str | os.PathLike) -> set[int]:
-    """Indices already in `output`; a last line cut short (a killed run) is removed from the file."""
+    """Indices already in `output`. A last line cut short (a killed run) is removed from the file, and
+    so are records marked `retry` (the engine failed on that row), to be written again.
+
+    Raises:
+        ValueError: a complete line that is not one of this job's records (another file?).
+    """
     path = Path(output)
     if not path.exists():
         return set()
     done: set[int] = set()
-    keep = 0  # bytes of complete, valid lines
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.endswith(b"\n"):
-                break
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                break
-            done.add(int(record["index"]))
-            keep += len(line)
-    if keep != path.stat().st_size:
-        logger.warning("hf_paged: dropping a partial last record in %s (an interrupted run)", path)
-        with open(path, "r+b") as f:
-            f.truncate(keep)
+    kept: list[bytes] = []
+    lines = path.read_bytes().splitlines(keepends=True)
+    partial = False
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line) if line.endswith(b"\n") else None
+        except json.JSONDecodeError:
+            record = None
+        if record is None:  # only a killed run's last line may be cut short
+            if n < len(lines):
+                raise ValueError(f"{path}: line {n} is not a JSON record; is --output another file?")
+            partial = True
+            break
+        if not isinstance(record, dict) or not isinstance(record.get("index"), int):
+            raise ValueError(f"{path}: line {n} has no integer 'index'; is --output another file?")
+        if not record.get("retry"):
+            done.add(record["index"])
+            kept.append(line)
+    if len(kept) != len(lines):
+        logger.warning("hf_paged: %s: dropping %s before resuming", path,
+                       "a partial last record" if partial else "records of rows to retry")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(kept))
+        os.replace(tmp, path)
     return done
 
 
@@ -178,9 +194,12 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
                 sample = final.outputs[0]
                 counts["tokens"] += len(sample.token_ids)
                 error = None if sample.error is None and sample.finish_reason != "error" else str(sample.error)
-                write(dict(index=index, prompt=prompt, completion=None if error else sample.text,
-                           token_ids=None if error else list(sample.token_ids),
-                           finish_reason=sample.finish_reason, error=error))
+                record = dict(index=index, prompt=prompt, completion=None if error else sample.text,
+                              token_ids=None if error else list(sample.token_ids),
+                              finish_reason=sample.finish_reason, error=error)
+                if error:
+                    record["retry"] = True  # the engine's failure, not the row's: a rerun tries again
+                write(record)
 
         try:
             for index, row in enumerate(rows):
@@ -229,16 +248,17 @@ class _StopOnSigterm:
     far are complete and flushed, and a rerun resumes after them. Only in the main thread."""
 
     def __enter__(self):
-        self._previous = None
+        self._installed = False
         try:
             self._previous = signal.signal(signal.SIGTERM, self._raise)
+            self._installed = True
         except ValueError:  # not the main thread
             pass
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        if self._installed:  # None: a handler not set from Python; the default is the closest
+            signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
         return False
 
     @staticmethod

@@ -80,12 +80,13 @@ def _already_forwarded(model_outputs, **_):
     return model_outputs
 
 
-class _Captured(Exception):
-    """The `generate` call a pipeline's `forward` was about to make."""
+class _Captured(BaseException):
+    """The `generate` call a pipeline's `forward` was about to make (a BaseException, so that no
+    `except Exception` on the way swallows it)."""
 
-    def __init__(self, inputs, generation_config, args: tuple, kwargs: dict):
+    def __init__(self, model, inputs, generation_config, args: tuple, kwargs: dict):
         super().__init__("captured")
-        self.call = (inputs, generation_config, args, kwargs)
+        self.call = (model, inputs, generation_config, args, kwargs)
 
 
 @dataclasses.dataclass
@@ -94,6 +95,8 @@ class _Batch:
 
     batch: dict
     call: EngineCall | None  # None: served in order by the drop-in generate
+    output: dict | None = None  # `forward` ran to the end while being captured (it never called generate)
+    same_engine: bool = True  # False: served in order, but not on the feeder's engine (other settings)
     inbox: Inbox | None = None
     request_ids: list[str] = dataclasses.field(default_factory=list)
     finals: dict[str, RequestOutput] = dataclasses.field(default_factory=dict)
@@ -141,15 +144,15 @@ class EngineFeeder:
                         except StopIteration:
                             exhausted = True
                             break
-                        entry = _Batch(batch, self._capture(batch))
+                        entry = self._capture(batch)
                         if entry.call is not None:
                             call = entry.call
-                            if engine is None:
+                            if engine is None:  # the model generate was called on (a wrapper's base model)
                                 settings = (call.spec_kwargs(), call.eos_ids)
                                 engine = stack.enter_context(model_engine(
-                                    self.pipe.model, call.engine_kwargs(self.window), *settings))
-                            if (call.spec_kwargs(), call.eos_ids) != settings:
-                                entry.call = None
+                                    call.model, call.engine_kwargs(self.window), *settings))
+                            if (call.spec_kwargs(), call.eos_ids) != settings or call.model is not engine.model:
+                                entry.call, entry.same_engine = None, False
                             else:
                                 widen_engine(engine, call.engine_kwargs(self.window))
                                 self._submit(engine, entry)
@@ -159,7 +162,8 @@ class EngineFeeder:
                     head = pending[0]
                     if head.call is None:
                         pending.pop(0)
-                        yield self._in_order(head.batch, engine)
+                        yield head.output if head.output is not None else self._in_order(
+                            head.batch, engine if head.same_engine else None)
                         continue
                     for entry in pending:
                         entry.collect()
@@ -182,26 +186,24 @@ class EngineFeeder:
         return sum(len(e.request_ids) - len(e.finals) for e in pending)
 
     def _forward(self, batch: dict, answer):
-        """The pipeline's `forward(batch)`, its `model.generate` call answered by `answer`."""
-        with patch.intercept_generate(self.pipe.model, answer):
+        """The pipeline's `forward(batch)`, its `generate` call answered by `answer`."""
+        with patch.intercept_generate(answer):
             return self.pipe.forward(dict(batch), **self.forward_params)
 
-    def _capture(self, batch: dict) -> EngineCall | None:
-        """The batch's `generate` call prepared for queueing, or None if it must run in order."""
+    def _capture(self, batch: dict) -> _Batch:
+        """The batch, with its `generate` call prepared for queueing (`call`), or to run in order."""
         def capture(model, inputs, generation_config, args, kwargs):
-            raise _Captured(inputs, generation_config, args, kwargs)
+            raise _Captured(model, inputs, generation_config, args, kwargs)
 
         try:
-            self._forward(batch, capture)
+            output = self._forward(batch, capture)
         except _Captured as captured:
-            inputs, generation_config, args, kwargs = captured.call
-            if args:
-                return None
-            call = plan_engine_call(self.pipe.model, inputs, generation_config, kwargs)
-            if call is None or call.is_stepwise or call.passed is not None:
-                return None
-            return call
-        return None  # `forward` never called generate: let it run as it does
+            model, inputs, generation_config, args, kwargs = captured.call
+            call = None if args else plan_engine_call(model, inputs, generation_config, kwargs)
+            if call is not None and (call.is_stepwise or call.passed is not None):
+                call = None
+            return _Batch(batch, call)
+        return _Batch(batch, None, output=output)  # `forward` never reached generate: its output stands
 
     def _submit(self, engine: Engine, entry: _Batch) -> None:
         call = entry.call

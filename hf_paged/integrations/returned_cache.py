@@ -26,6 +26,7 @@ A row that lost its blocks is recomputed when continued, with the same output.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import weakref
 
@@ -48,11 +49,11 @@ class _Kept:
 
     def release(self) -> None:
         """Free every row's sequence: lock-free, from any thread (a finaliser's), applied by the engine
-        before its next step."""
-        engine, ids = self.engine_ref(), [s.seq_id for s in self.seqs if s is not None]
+        before its next step (a sequence handed on to a request meanwhile is not touched)."""
+        engine, seqs = self.engine_ref(), [s for s in self.seqs if s is not None]
         self.seqs = [None] * len(self.seqs)
-        if engine is not None and ids:
-            engine.release_kv_later(ids)
+        if engine is not None and seqs:
+            engine.release_kv_later(seqs)
 
 
 class ReturnedCache(DynamicCache):
@@ -75,6 +76,25 @@ class ReturnedCache(DynamicCache):
         self._tokens = tokens.detach().to("cpu", torch.long)
         self._mask = mask.detach().to("cpu", torch.long)
         self._dense = False
+
+    def __deepcopy__(self, memo):
+        """An independent copy (transformers' prompt-reuse recipe deep-copies a cache per request): kept
+        rows are shared copy-on-write in the engine, each copy freeing its own; a dense one copies its
+        tensors, as `DynamicCache` does."""
+        new = ReturnedCache.__new__(ReturnedCache)
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_kept", "_model_ref")}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new._model_ref = self._model_ref
+        engine = self._kept.engine()
+        seqs = [engine.fork_kv(s) if engine is not None and s is not None else None for s in self._kept.seqs]
+        new._kept = _Kept(engine, seqs)
+        weakref.finalize(new, new._kept.release)
+        return new
+
+    def __reduce__(self):
+        raise TypeError("a ReturnedCache holds rows of a live engine and cannot be pickled; call to_dense() and "
+                        "copy its layers' tensors")
 
     # ------------------------------------------------------------------ what the engine route reads
     @property
@@ -148,6 +168,15 @@ class ReturnedCache(DynamicCache):
         self.to_dense()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    # Reading the K/V makes it dense first (`cache.layers` itself is read as it stands).
+    def __iter__(self):
+        self.to_dense()
+        return super().__iter__()
+
+    @property
+    def is_initialized(self) -> bool:
+        return super().is_initialized if self._dense else self._tokens.shape[1] > 0
+
     def crop(self, tokens_to_remove: int) -> None:
         if self._dense:
             return super().crop(tokens_to_remove)
@@ -165,7 +194,9 @@ class ReturnedCache(DynamicCache):
                 self._kept.seqs[i] = None
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._reindex(torch.as_tensor(indices).tolist(), lambda: super(ReturnedCache, self).batch_select_indices(indices))
+        rows = torch.as_tensor(indices)
+        rows = rows.nonzero().flatten() if rows.dtype == torch.bool else rows  # a row mask, as tensors index
+        self._reindex(rows.tolist(), lambda: super(ReturnedCache, self).batch_select_indices(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         rows = [r for r in range(self.batch_size) for _ in range(repeats)]

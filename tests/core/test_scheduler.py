@@ -924,6 +924,23 @@ def test_finish_with_keep_kv_hands_over_the_sequence_and_a_new_request_continues
     pool.check_invariants()
 
 
+def test_release_waiting_frees_handed_over_prefixes_which_then_recompute():
+    pool, s = make(8, 4)
+    first = req(range(1, 7), max_new=2)
+    s.add(first)
+    step(s)
+    kept = s.finish(first, keep_kv=True)
+    waiting = Request(request_id="w", token_ids=list(kept.token_ids) + [3], num_prompt_tokens=7, max_total_tokens=9,
+                      seq=kept)
+    s.add(waiting)
+    assert pool.num_used_blocks == 2 and s.release_waiting() and pool.num_used_blocks == 0
+    assert not s.release_waiting()  # nothing left to free
+    out = s.schedule()
+    # Recomputed: its one full block from the prefix cache (published when it was computed), the rest anew.
+    assert entry_of(out, waiting).start == 4 and out.num_prefix_hit_tokens == 4
+    pool.check_invariants()
+
+
 # --- liveness under heavy preemption --------------------------------------------------------------
 
 

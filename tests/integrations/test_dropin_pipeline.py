@@ -158,3 +158,21 @@ def test_the_wrapper_is_undone_by_uninstall(model, tokenizer):
         patch.install()
     assert TextGenerationPipeline.get_iterator is not wrapped  # a fresh wrap, same behaviour
     assert TextGenerationPipeline.get_iterator.__qualname__.endswith("get_iterator")
+
+
+def test_a_peft_wrapped_model_is_fed_through_the_engine_once_per_batch(model, tokenizer, engine_calls):
+    """A wrapper's `generate` calls its base model's: the feeder captures that call too, so no batch is
+    generated twice (once captured, once in order)."""
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    wrapped.eval()
+    prompts = _prompts(24, seed=4)
+    gen = dict(batch_size=8, max_new_tokens=6, do_sample=False)
+    try:
+        ref = _run(wrapped, tokenizer, prompts, "sdpa", **gen)
+        engine_calls.clear()
+        ours = _run(wrapped, tokenizer, prompts, "hf_paged", **gen)
+    finally:
+        wrapped.unload()  # the module-scoped model without its LoRA layers again
+    assert ours == ref
+    assert engine_calls == []  # every batch went through the feeder, none through a second generate

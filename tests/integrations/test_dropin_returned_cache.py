@@ -254,3 +254,52 @@ def test_sampled_rows_and_rows_stopped_by_criteria_continue_from_what_they_kept(
     ref = model.generate(c_ids, attention_mask=c_mask, max_new_tokens=5, **GEN)  # every column recomputed
     ref2 = model.generate(c2_ids, attention_mask=c2_mask, max_new_tokens=5, **GEN)
     assert torch.equal(ours.sequences, ref.sequences) and torch.equal(ours2.sequences, ref2.sequences)
+
+
+def test_a_deep_copy_continues_on_its_own_and_frees_only_its_own_rows():
+    """transformers' prompt-reuse recipe: one cache deep-copied per continuation."""
+    import copy
+
+    ids, mask = left_padded_batch([7, 12], seed=11)
+    model = tiny_model("llama")
+    news = _news(2, turns=2, seed=3)
+
+    def run(m):
+        out = m.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
+        results = []
+        for new in news:
+            c_ids, c_mask = _extend(out, mask, new)
+            results.append(m.generate(c_ids, attention_mask=c_mask, max_new_tokens=4, cache=copy.deepcopy(out.cache),
+                                      **GEN).sequences)
+        return results, out
+
+    ref, _ = run(model)
+    model.set_attn_implementation("hf_paged")
+    ours, out = run(model)
+    assert all(torch.equal(a, b) for a, b in zip(ref, ours))
+    engine = model._hf_paged_engine.engine
+    held = [s for s in out.cache._kept.seqs if s is not None]
+    assert held and all(engine.holds(s) for s in held)  # the original kept its rows through both copies
+    mask_rows = out.cache
+    mask_rows.batch_select_indices(torch.tensor([False, True]))  # a row mask keeps row 1 only
+    assert mask_rows.batch_size == 1 and mask_rows._kept.seqs[0] is held[1]
+    del out, mask_rows
+    gc.collect()
+    engine.drop_unclaimed_kv()
+    assert engine.cache.pool.num_used_blocks == 0  # every copy and the original freed their blocks
+
+
+def test_release_during_a_call_never_waits_and_takes_effect_after_it():
+    from hf_paged.integrations.batch_generate import model_engine
+
+    model = tiny_model("llama", "hf_paged")
+    ids, mask = left_padded_batch([5], seed=1)
+    model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    slot = model._hf_paged_engine
+    kwargs = dict(max_num_seqs=1, block_size=16, num_blocks=None, max_kv_bytes=None, kv_cache_dtype="auto",
+                  kv_quant_scheme="dynamic", kv_quant_rotation=True, enable_prefix_caching=True,
+                  enable_hybrid_kv=True, cache_salt=None, max_model_len=64)
+    with model_engine(model, kwargs, {}, [2]):
+        assert hf_paged.release(model) is True  # the lock is held here: it must not wait for it
+        assert slot.engine is not None
+    assert slot.engine is None and not slot.release_pending

@@ -120,3 +120,19 @@ def test_masks_built_outside_generate_are_tensors_the_model_accepts(arch):
             out = model(input_ids=ids, attention_mask=built, position_ids=positions, cache=cache, use_cache=True)
         logits.append(out.logits)
     torch.testing.assert_close(logits[1], logits[0], atol=LOGITS_ATOL, rtol=0)
+
+
+def test_the_eager_form_of_an_absent_mask_is_causal_only_for_causal_modules():
+    """sdpa's mask is None where nothing needs masking beyond causality (or nothing at all, for a
+    non-causal module); the eager path (softcap, sinks, attention weights) must rebuild exactly that."""
+    from hf_paged.attention.interface import _additive_mask
+
+    q, k = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 5, 4)
+    causal = _additive_mask(None, q, k, None, causal=True)
+    assert causal.shape == (1, 1, 3, 5)
+    assert bool((causal[0, 0, 0, :3] == 0).all()) and bool((causal[0, 0, 0, 3:] < -1e30).all())
+    windowed = _additive_mask(None, q, k, 2, causal=True)
+    assert bool((windowed[0, 0, 2, :3] < -1e30).all()) and bool((windowed[0, 0, 2, 3:] == 0).all())
+    assert _additive_mask(None, q, k, None, causal=False) is None
+    bool_mask = torch.tensor([[[[True, False, True, True, True]]]]).expand(1, 1, 3, 5)
+    assert torch.equal(_additive_mask(bool_mask, q, k, None) == 0, bool_mask)

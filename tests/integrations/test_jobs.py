@@ -91,6 +91,17 @@ def test_a_partial_last_record_is_dropped_before_resuming(tmp_path):
     assert out.read_text().endswith("}\n") and out.read_text().count("\n") == 2
 
 
+def test_retry_records_are_dropped_and_a_foreign_file_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"index": 0}) + "\n" + json.dumps({"index": 1, "error": "boom", "retry": True}) + "\n")
+    assert done_indices(out) == {0} and out.read_text() == json.dumps({"index": 0}) + "\n"
+    other = tmp_path / "notes.jsonl"
+    other.write_text('{"name": "x"}\n')
+    with pytest.raises(ValueError, match="no integer 'index'"):
+        done_indices(other)
+    assert other.read_text() == '{"name": "x"}\n'  # left as it was
+
+
 def test_a_job_writes_one_record_per_row_and_error_records_for_bad_rows(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
