@@ -83,13 +83,12 @@ class ReturnedCache(DynamicCache):
         tensors, as `DynamicCache` does."""
         new = ReturnedCache.__new__(ReturnedCache)
         memo[id(self)] = new
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_kept", "_model_ref")}
-        new.__dict__.update(copy.deepcopy(state, memo))
-        new._model_ref = self._model_ref
+        state = copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in ("_kept", "_model_ref")}, memo)
         engine = self._kept.engine()
         seqs = [engine.fork_kv(s) if engine is not None and s is not None else None for s in self._kept.seqs]
-        new._kept = _Kept(engine, seqs)
-        weakref.finalize(new, new._kept.release)
+        state.update(_model_ref=self._model_ref, _kept=_Kept(engine, seqs))
+        new.__dict__.update(state)
+        weakref.finalize(new, state["_kept"].release)
         return new
 
     def __reduce__(self):
