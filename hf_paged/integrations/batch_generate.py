@@ -108,6 +108,12 @@ class EngineCall:
         """An engine for `num_rows` rows (default this call's) of this call's longest length."""
         return _engine_kwargs(self.model, (num_rows or len(self.rows)) * self.params.n, self.max_len)
 
+    def warn_pad(self, stacklevel: int) -> None:
+        """Stock's warning when it pads with the EOS id (no `pad_token_id` set)."""
+        if self.pad_warning:
+            warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{self.pad} for open-end generation.",
+                          stacklevel=stacklevel)
+
     def spec_kwargs(self) -> dict:
         return speculative_kwargs(self.gc, self.assistant)
 
@@ -119,8 +125,7 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
     call = plan_engine_call(model, inputs, generation_config, kwargs)
     if call is None:
         return None
-    if call.pad_warning:
-        warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{call.pad} for open-end generation.", stacklevel=3)
+    call.warn_pad(stacklevel=4)
     engine_kwargs = call.engine_kwargs()
     check_pool_fits(engine_kwargs["num_blocks"], engine_kwargs["block_size"], call.max_len)
     with contextlib.ExitStack() as stack:

@@ -129,9 +129,10 @@ def _install_generate() -> None:
             result = try_engine_generate(self, inputs, generation_config, kwargs)
             if result is not None:
                 return result
-        passed = kwargs.get("cache", kwargs.get("past_key_values"))
-        if isinstance(passed, ReturnedCache):
-            passed.to_dense()  # stock generate continues from what stock would have returned
+        from .batch_generate import passed_cache
+
+        if isinstance(passed_cache(kwargs), ReturnedCache):
+            passed_cache(kwargs).to_dense()  # stock generate continues from what stock would have returned
         return original_generate(self, inputs, generation_config, *args, **kwargs)
 
     GenerationMixin.generate = generate

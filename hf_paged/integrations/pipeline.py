@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import queue
-import warnings
 
 from transformers.pipelines.pt_utils import PipelineIterator
 from transformers.pipelines.text_generation import TextGenerationPipeline
@@ -207,9 +206,7 @@ class EngineFeeder:
 
     def _submit(self, engine: Engine, entry: _Batch) -> None:
         call = entry.call
-        if call.pad_warning:
-            warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{call.pad} for open-end generation.",
-                          stacklevel=2)
+        call.warn_pad(stacklevel=3)
         entry.inbox = Inbox(wants_tokens=False)
         for i, row in enumerate(call.rows):
             entry.request_ids.append(engine.add_owned_request(row, call.params, None, entry.inbox, i))
