@@ -10,6 +10,11 @@ from .planner import cli as planner_cli
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # every later argument is lm-eval's own
+        from .integrations.lm_eval_cli import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     parser = argparse.ArgumentParser(prog="hf-paged", description="Paged KV cache for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="generate with the default model and check against stock transformers")
@@ -33,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default=None, help="where the model runs (default: cuda if present, else cpu)")
     gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     sub.add_parser("info", help="versions and the supported transformers range")
+    sub.add_parser("lm-eval", help="lm-evaluation-harness's command line (same arguments) with the hf_paged "
+                                   "attention registered: --model hf --model_args ...,attn_implementation=hf_paged")
     planner_cli.add_subcommands(sub)
     args = parser.parse_args(argv)
     if hasattr(args, "sizing_handler"):

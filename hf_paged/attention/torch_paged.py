@@ -300,7 +300,7 @@ def paged_attention(
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
     # One group holding every query (batch 1): its output is the whole output, no scatter into zeros.
     is_whole = len(plan.groups) == 1 and plan.groups[0].token_slice == slice(0, num_tokens)
-    out = None if is_whole else query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
+    out = None  # [num_tokens, Hq, Dv], in the dtype attention returns (under autocast, not the query's)
     # Scratch buffers are reused by the next layer: only where autograd will not keep the K/V.
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
                                               or value_cache.requires_grad)
@@ -347,6 +347,8 @@ def paged_attention(
                 o = _grouped_query_attention(q, k, v, mask, scale)  # [Sg, Qmax, Hq, Dv]
         if is_whole:
             return o[0]
+        if out is None:
+            out = o.new_zeros(num_tokens, num_q_heads, o.shape[-1])
         if group.token_slice is not None:
             out[group.token_slice] = o[0]
         elif group.is_single_query:

@@ -53,11 +53,16 @@ from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
 from ..hf.support import has_latent_kv
 from .returned_cache import ReturnedCache
+from .shared_prompts import generate_rows
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
 
 logger = logging.getLogger(__name__)
 
 _MODEL_INPUTS = {"input_ids", "attention_mask"}
+# Keywords stock `generate` accepts and then ignores for a decoder-only model: `labels` (never
+# forwarded; `Seq2SeqTrainer(predict_with_generate=True)` passes its batch whole) and a false
+# `synced_gpus` (one process; a true one, for ZeRO-3/FSDP, goes to stock generate).
+_IGNORED = {"labels"}
 # Every GenerationConfig field may be passed as a keyword; `sampling_params_from` judges its value.
 _CONFIG_KEYS = frozenset(GenerationConfig().to_dict()) | {"generation_config"}
 # Teacher-forced forwards for finished rows: rows per forward bounded by this many fp32 elements of
@@ -106,7 +111,7 @@ class EngineCall:
 
     def engine_kwargs(self, num_rows: int | None = None) -> dict:
         """An engine for `num_rows` rows (default this call's) of this call's longest length."""
-        return _engine_kwargs(self.model, (num_rows or len(self.rows)) * self.params.n, self.max_len)
+        return pool_kwargs(self.model, (num_rows or len(self.rows)) * self.params.n, self.max_len)
 
     def warn_pad(self, stacklevel: int) -> None:
         """Stock's warning when it pads with the EOS id (no `pad_token_id` set)."""
@@ -140,21 +145,31 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
                 samples, request_ids = _run_stepwise(engine, rows, params, call.input_ids, call.pad, call.streamer,
                                                      call.criteria, prefixes, call.retain)
                 metrics = engine.metrics()
-            else:
+            elif call.retain or prefixes is not None:
                 outputs = engine.generate(rows, params, kv_prefixes=prefixes, retain_kv=call.retain)
                 metrics = engine.metrics()
-                errors = [o.error for o in outputs if o.error is not None]
-                if errors:
-                    model.hf_paged_last_metrics = metrics
-                    raise errors[0]
+                _raise_first_error(model, metrics, [out.outputs for out in outputs])
                 # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
                 samples = [sample for out in outputs for sample in out.outputs]
                 request_ids = [out.request_id for out in outputs]
+            else:  # repeated prompts (RL rollouts) share their blocks
+                per_row = generate_rows(engine, rows, params)
+                metrics = engine.metrics()
+                _raise_first_error(model, metrics, per_row)
+                samples, request_ids = [sample for row in per_row for sample in row], [None] * len(rows)
         except BaseException:
             if passed is not None:
                 passed.release_rows()  # what it handed to the call went with the call
             raise
     return build_output(call, engine, samples, request_ids, metrics)
+
+
+def _raise_first_error(model, metrics: dict, per_row: list[list[CompletionOutput]]) -> None:
+    """Raise the first failed sample's error (stock raises for the whole call), recording the metrics."""
+    errors = [sample.error for row in per_row for sample in row if sample.error is not None]
+    if errors:
+        model.hf_paged_last_metrics = metrics
+        raise errors[0]
 
 
 def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCall | None:
@@ -165,8 +180,10 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if has_latent_kv(model.config):
         return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
     passed = passed_cache(kwargs)
-    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - {"assistant_model", "streamer", "stopping_criteria",
-                                                             "tokenizer"}
+    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - {"assistant_model", "streamer",
+                                                                        "stopping_criteria", "tokenizer"}
+    if "synced_gpus" in kwargs and not kwargs["synced_gpus"]:
+        unknown.discard("synced_gpus")
     if isinstance(passed, ReturnedCache):
         unknown -= {"cache", "past_key_values"}
     if unknown:
@@ -189,7 +206,7 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     except (ValueError, TypeError, AttributeError) as exc:  # stock raises its own error for the same call
         logger.debug("hf_paged: stock generate serves this call (%s)", exc)
         return None
-    vocab_size = _output_vocab_size(model)
+    vocab_size = output_vocab_size(model)
     params = sampling_params_from(gc, width, vocab_size)
     if isinstance(params, str):
         logger.debug("hf_paged: stock generate serves this call (%s)", params)
@@ -380,7 +397,7 @@ def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torc
 
 
 # ---------------------------------------------------------------------------------- inputs
-def _output_vocab_size(model) -> int | None:
+def output_vocab_size(model) -> int | None:
     """The width of the model's logits (what stock's processors check token ids against)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     size = getattr(head, "out_features", None)
@@ -484,8 +501,10 @@ def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[in
         return
     try:
         fixed = {k: v for k, v in engine_kwargs.items() if k not in ("num_blocks", "max_num_seqs", "max_model_len")}
+        weight = next(model.parameters(), None)  # a cast or a move (TRL casts for its rollouts): new pool
         key = (tuple(sorted(fixed.items())),
-               tuple(sorted((k, id(v) if isinstance(v, torch.nn.Module) else v) for k, v in spec_kwargs.items())))
+               tuple(sorted((k, id(v) if isinstance(v, torch.nn.Module) else v) for k, v in spec_kwargs.items())),
+               None if weight is None else (weight.dtype, weight.device))
         engine = slot.engine
         if engine is not None and slot.key == key and not engine.scheduler.has_unfinished:
             engine.drop_unclaimed_kv()
@@ -531,7 +550,7 @@ def release(model) -> bool:
     return True
 
 
-def _engine_kwargs(model, batch_size: int, max_len: int) -> dict:
+def pool_kwargs(model, batch_size: int, max_len: int) -> dict:
     """A pool sized like the model's `hf_paged_cache_config`, or else for every row at full length (the
     most stock generate would hold); every row runs at once."""
     cfg = getattr(model, "hf_paged_cache_config", None) or PagedCacheConfig()
@@ -597,7 +616,7 @@ def _teacher_forced_logits(model, sequences: torch.Tensor, mask: torch.Tensor, s
     model_device = next(model.parameters()).device
     keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
     hidden = getattr(model.config.get_text_config(), "hidden_size", 0) or 0
-    vocab = _output_vocab_size(model) or 1
+    vocab = output_vocab_size(model) or 1
     order = sorted(short, key=lambda r: lengths[r])  # most missing steps first
     out: dict[int, list[torch.Tensor]] = {}
     start = 0

@@ -1,6 +1,6 @@
 """`generate` for models loaded with `attn_implementation="hf_paged"`.
 
-Three small wraps, all undone by `uninstall()`:
+Four small wraps, all undone by `uninstall()`:
 
 * `GenerationMixin.generate`: a plain batched call (greedy or sampling, `num_return_sequences`,
   `output_scores` / `output_logits`, a streamer; no beams, attentions or custom processors) runs
@@ -9,6 +9,8 @@ Three small wraps, all undone by `uninstall()`:
   that call (warned once). Any other call goes on to stock generate unchanged.
 * `TextGenerationPipeline.get_iterator`: batches of a pipeline over such a model are queued in the
   engine ahead of its consumer, for continuous batching across batches (`integrations.pipeline`).
+* `ContinuousMixin.generate_batch` (transformers' continuous-batching API, which TRL's GRPO can use):
+  answered by the model's engine (`integrations.generate_batch`).
 * `GenerationMixin._prepare_cache_for_generation` (private; transformers has no registry for cache
   classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any
   `PagedCache` in play is attached (`hf_paged.hf.attach`).
@@ -70,9 +72,10 @@ def install() -> bool:
     original = getattr(GenerationMixin, _TARGET)
     _original = original
     _install_generate()
-    from . import pipeline
+    from . import generate_batch, pipeline
 
     pipeline.install()
+    generate_batch.install()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
@@ -188,9 +191,10 @@ def uninstall() -> None:
     if _original_generate is not None:
         GenerationMixin.generate = _original_generate
         _original_generate = None
-    from . import pipeline
+    from . import generate_batch, pipeline
 
     pipeline.uninstall()
+    generate_batch.uninstall()
 
 
 def _check_fits(cache: PagedCache, generation_config) -> None:

@@ -32,8 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..engine import Engine
-from ..worker import SamplingParams
 from ..engine.delivery import Inbox
+from ..worker import SamplingParams
+from .optional import require
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,7 @@ def read_rows(path: str | os.PathLike) -> Iterator[dict]:
 
 
 def _datasets(what: str):
-    try:
-        import datasets
-    except ImportError as exc:
-        raise ImportError(f"{what} needs the `datasets` package: pip install 'hf_paged[data]'") from exc
-    return datasets
+    return require("datasets", "data", what)
 
 
 def done_indices(output: str | os.PathLike) -> set[int]:

@@ -136,3 +136,38 @@ def test_the_eager_form_of_an_absent_mask_is_causal_only_for_causal_modules():
     assert _additive_mask(None, q, k, None, causal=False) is None
     bool_mask = torch.tensor([[[[True, False, True, True, True]]]]).expand(1, 1, 3, 5)
     assert torch.equal(_additive_mask(bool_mask, q, k, None) == 0, bool_mask)
+
+
+def test_trainer_keywords_labels_and_synced_gpus_are_served_as_stock_serves_them(engine_calls):
+    """`Seq2SeqTrainer(predict_with_generate=True)` calls `generate(**batch, synced_gpus=False)` with its
+    `labels` in the batch: stock ignores both, so the engine serves the call; `synced_gpus=True`
+    (ZeRO-3/FSDP lockstep) goes to stock generate."""
+    stock, ours = _pair("llama")
+    ids, mask = left_padded_batch([5, 12, 9])
+    labels = torch.full((3, 4), -100)
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = stock.generate(ids, attention_mask=mask, **gen)
+    out = ours.generate(input_ids=ids, attention_mask=mask, labels=labels, synced_gpus=False, **gen)
+    assert torch.equal(out, ref) and engine_calls == [True]
+    with pytest.raises(ValueError, match="process group") as expected:  # stock: no process group here
+        stock.generate(ids, attention_mask=mask, synced_gpus=True, **gen)
+    with pytest.raises(ValueError, match="process group") as raised:
+        ours.generate(ids, attention_mask=mask, synced_gpus=True, **gen)
+    assert str(raised.value) == str(expected.value) and engine_calls == [True, False]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_generate_under_bf16_autocast_matches_stock_under_it(arch, engine_calls):
+    """TRL and accelerate's mixed precision run generate inside `torch.autocast`: attention then
+    returns bf16 for fp32 queries, and the engine's output buffer must take that dtype."""
+    stock, ours = _pair(arch)
+    ids, mask = left_padded_batch([5, 12, 9])
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = stock.generate(ids, attention_mask=mask, **gen)
+        out = ours.generate(ids, attention_mask=mask, **gen)
+    assert engine_calls == [True]
+    first_ref, first_out = ref.logits[0].float(), out.logits[0].float()
+    torch.testing.assert_close(first_out, first_ref, atol=0.05, rtol=0.05)  # bf16 rounding
+    agree = (out.sequences == ref.sequences).all(dim=1)
+    assert agree.float().mean() >= 2 / 3, (out.sequences, ref.sequences)
