@@ -10,7 +10,7 @@ is all a user changes.
 Sub-packages, in dependency order (each imports only those before it; `config` is a leaf they all
 may use; `planner` and `defaults` stand apart):
 
-    core -> attention -> hf -> worker -> spec_decode -> engine -> integrations
+    core -> attention -> hf -> worker -> spec_decode -> engine -> integrations -> serve
 """
 
 from .attention import ATTN_IMPLEMENTATION, paged_attention_forward

@@ -125,3 +125,9 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + (t - 3) % 26) for t in ids)
+
+
+def tiny_paged_llama():
+    """A picklable model factory (module level): the tiny Llama with the hf_paged attention, for
+    engines that build their model in other processes."""
+    return tiny_model("llama", "hf_paged")

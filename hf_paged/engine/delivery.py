@@ -47,6 +47,15 @@ class Inbox:
     def get_nowait(self):
         return self._items.get_nowait()
 
+    def take_all(self) -> list:
+        """Every item delivered so far, without waiting (for an owner that steps the engine itself)."""
+        items = []
+        while True:
+            try:
+                items.append(self._items.get_nowait())
+            except queue.Empty:
+                return items
+
 
 def drain(inbox: Inbox, num_requests: int, step: Callable[[], object], is_looping: Callable[[], bool],
           timeout: float | None = None) -> Iterator[tuple[StreamEvent | None, RequestOutput | None]]:

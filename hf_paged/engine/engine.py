@@ -106,6 +106,7 @@ class _Tracked:
         self.scores: list[torch.Tensor] | None = [] if params.output_scores else None
         self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
         self.kv_prefix: KVSequence | None = None  # a kept sequence it takes over when queued
+        self.pending_text = ""  # text of `resume_tokens`, prepended to the first streamed delta
 
     @property
     def public_id(self) -> str:
@@ -254,7 +255,8 @@ class Engine:
 
     def add_owned_request(self, prompt, sampling_params: SamplingParams | None, request_id: str | None,
                           inbox: Inbox | None, index: int = 0, streamed: bool = False,
-                          kv_prefix: KVSequence | None = None, retain_kv: bool = False) -> str:
+                          kv_prefix: KVSequence | None = None, retain_kv: bool = False,
+                          resume_tokens: SequenceABC[int] = ()) -> str:
         """`add_request` for a front that collects outputs itself (`generate`, `stream`, handles,
         `AsyncEngine`): every token (and the end) of the request is put in `inbox`, whoever steps.
 
@@ -265,6 +267,10 @@ class Engine:
                 tokens: the request takes it over and computes only the rest. If it was evicted or
                 freed meanwhile, the request computes everything (from the prefix cache where it can).
             retain_kv: keep each sample's sequence when it finishes (`kept_kv`); the caller frees it.
+            resume_tokens: tokens already generated for this prompt by another engine (disaggregated
+                prefill): the request continues after them exactly as if it had generated them itself
+                (penalties, positions, `max_new_tokens`, text), and returns them as its first output
+                tokens. Their logprobs are not known here. Needs n = 1.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -273,13 +279,22 @@ class Engine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
         prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
-        if len(prompt_ids) >= self.max_model_len:
+        resume = [int(t) for t in resume_tokens]
+        if resume:
+            if params.n != 1:
+                raise ValueError("resume_tokens needs a request with n=1")
+            if len(resume) >= params.max_new_tokens:
+                raise ValueError(f"{len(resume)} resume_tokens leave nothing to generate within "
+                                 f"max_new_tokens={params.max_new_tokens}")
+            prompt_token_ids(resume, None, self.vocab_size)  # ids inside the vocabulary
+        if len(prompt_ids) + len(resume) >= self.max_model_len:
             raise ValueError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the model's "
                 f"max_model_len={self.max_model_len}"
             )
-        if kv_prefix is not None and (not isinstance(kv_prefix, KVSequence) or kv_prefix.num_tokens >= len(prompt_ids)
-                                      or kv_prefix.token_ids != list(prompt_ids[: kv_prefix.num_tokens])):
+        known = list(prompt_ids) + resume  # what the request's sequence will hold
+        if kv_prefix is not None and (not isinstance(kv_prefix, KVSequence) or kv_prefix.num_tokens >= len(known)
+                                      or kv_prefix.token_ids != known[: kv_prefix.num_tokens]):
             raise ValueError("kv_prefix must be a KVSequence holding a proper prefix of the prompt's tokens")
         max_total = min(len(prompt_ids) + params.max_new_tokens, self.max_model_len)
         if not self.scheduler.can_ever_fit(max_total):
@@ -292,6 +307,10 @@ class Engine:
         if self.tokenizer is not None and (streamed or params.stop_strings):
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                                            stop_strings=params.stop_strings)
+            # Their text comes out with this engine's first event, so that the streamed deltas join
+            # to the whole output's text (the other engine's own text may have held back a partial
+            # character or a stop-string prefix).
+            resume_text = "".join(detok.add(token) for token in resume)
         with self._registry_lock:  # ids are unique among live requests, whichever thread adds them
             if request_id is None:
                 request_id = f"req-{next(self._ids)}"
@@ -299,7 +318,7 @@ class Engine:
                     request_id = f"req-{next(self._ids)}"
             elif request_id in self._requests or request_id in self._groups:
                 raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-            request = Request(request_id=request_id, token_ids=list(prompt_ids), num_prompt_tokens=len(prompt_ids),
+            request = Request(request_id=request_id, token_ids=known, num_prompt_tokens=len(prompt_ids),
                               max_total_tokens=max_total, seq=self.cache.new_sequence(),
                               use_prefix_cache=params.prompt_logprobs is None)  # its prompt's logits are needed
             metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
@@ -307,6 +326,8 @@ class Engine:
             tracked = _Tracked(request, params, metrics, detok, inbox, index, self._new_state(params, seed, request),
                                _Group(request_id, params.n, retain_kv))
             tracked.kv_prefix = kv_prefix
+            if resume and detok is not None:
+                tracked.pending_text = resume_text
             self._requests[request_id] = tracked  # registered first: a step never meets an unknown id
             self._groups[request_id] = tracked.group
         self._post(("add", tracked))
@@ -434,6 +455,30 @@ class Engine:
             fork = self.cache.fork_sequence(seq)
             self._held[fork.seq_id] = fork
             return fork
+
+    def export_kv(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * cache.kv_numel_per_token()]
+        """The K/V of every token of a kept sequence, as one contiguous buffer (a copy: free `seq` when
+        done). Disaggregated serving sends it to the engine that decodes (`import_kv`)."""
+        with self._lock:
+            if self._held.get(seq.seq_id) is not seq:
+                raise ValueError("export_kv takes a sequence this engine keeps (kept_kv)")
+            return self.cache.export_tokens(seq, seq.num_tokens)
+
+    def import_kv(self, token_ids: SequenceABC[int], kv: torch.Tensor) -> KVSequence:
+        """Store the K/V another engine serving the same model computed for `token_ids` (its `export_kv`
+        buffer) in this engine's blocks, registering their prefix hashes, and keep the sequence: hand it
+        to a request as `kv_prefix` (with `resume_tokens` for what that engine already generated), or
+        `free_kv` it. Between steps only (the caller's thread steps this engine).
+
+        Raises:
+            ValueError: a buffer of the wrong size, or a cache that cannot move K/V; NoFreeBlocksError: a
+                fixed pool without room. Nothing is stored then.
+        """
+        with self._lock:
+            self._note_weights()  # salted with the current weights epoch, as a request admitted now would be
+            seq = self.cache.import_tokens(list(token_ids), kv)
+            self._held[seq.seq_id] = seq
+            return seq
 
     def _evict_kept(self) -> bool:
         """Free every kept sequence (their owners recompute on use); returns whether any was held."""
@@ -652,9 +697,13 @@ class Engine:
                     break
             if reason is not None:
                 deltas[-1] += tracked.detok.finish()
+            if tracked.pending_text and deltas:
+                deltas[0] = tracked.pending_text + deltas[0]
         # Committed from here on: nothing below raises for a well-formed request.
         events = [StreamEvent(tracked.public_id, tracked.index, token, delta, None, tracked.sample_index)
                   for token, delta in zip(kept, deltas or [None] * len(kept))]
+        if deltas:
+            tracked.pending_text = ""
         for j, event in enumerate(events):
             request.token_ids.append(event.token_id)
             tracked.metrics.on_token(now)

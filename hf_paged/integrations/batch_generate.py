@@ -164,6 +164,17 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
     return build_output(call, engine, samples, request_ids, metrics)
 
 
+def _synced_by_default(model) -> bool:
+    """Stock generate's own default for `synced_gpus=None`: ZeRO-3 or FSDP, more than one process."""
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    if not (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)):
+        return False
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+
+
 def _raise_first_error(model, metrics: dict, per_row: list[list[CompletionOutput]]) -> None:
     """Raise the first failed sample's error (stock raises for the whole call), recording the metrics."""
     errors = [sample.error for row in per_row for sample in row if sample.error is not None]
@@ -184,6 +195,8 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
                                                                         "stopping_criteria", "tokenizer"}
     if "synced_gpus" in kwargs and not kwargs["synced_gpus"]:
         unknown.discard("synced_gpus")
+    if kwargs.get("synced_gpus") is None and _synced_by_default(model):
+        return None  # stock turns synced_gpus on itself (ZeRO-3 or FSDP over several processes)
     if isinstance(passed, ReturnedCache):
         unknown -= {"cache", "past_key_values"}
     if unknown:

@@ -88,3 +88,28 @@ def test_the_pool_grows_when_a_call_needs_more_and_copies_get_no_engine():
     twin = copy.deepcopy(model)
     assert twin.__dict__["_hf_paged_engine"].engine is None
     assert pickle.loads(pickle.dumps(model.__dict__["_hf_paged_engine"])).engine is None
+
+
+def test_a_cast_model_gets_a_new_engine_whose_pool_has_the_new_dtype(monkeypatch):
+    """TRL casts the policy to bf16 before its rollouts: the engine kept for the fp32 model (fp32 pool)
+    must not serve the bf16 one."""
+    built = []
+    original = Engine.__init__
+
+    def spy(self, model, *args, **kwargs):
+        built.append(next(model.parameters()).dtype)
+        original(self, model, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "__init__", spy)
+    ours, stock = tiny_model("llama", "hf_paged"), tiny_model("llama", "sdpa")
+    ids, mask = left_padded_batch([5, 12, 9])
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ours.generate(ids, attention_mask=mask, **gen)
+    ours.generate(ids, attention_mask=mask, **gen)
+    assert built == [torch.float32]  # one engine for both fp32 calls
+    ours.to(torch.bfloat16)
+    stock.to(torch.bfloat16)
+    out = ours.generate(ids, attention_mask=mask, **gen)
+    assert built == [torch.float32, torch.bfloat16]
+    ref = stock.generate(ids, attention_mask=mask, **gen)
+    assert (out == ref).all(dim=1).float().mean() >= 2 / 3  # bf16 rounding may flip a late token

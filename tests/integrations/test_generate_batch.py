@@ -10,7 +10,7 @@ from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-import hf_paged  # noqa: F401  (installs the patches)
+import hf_paged  # installs the patches
 import hf_paged.integrations.generate_batch as generate_batch
 from tiny_models import VOCAB, stock_greedy, tiny_model
 
@@ -60,6 +60,63 @@ def test_greedy_outputs_equal_transformers_own_generate_batch():
                                                           continuous_batching_config=cb)
     assert list(out) == list(ref)
     assert [r.generated_tokens for r in out.values()] == [r.generated_tokens for r in ref.values()]
+
+
+def test_logprobs_are_each_generated_tokens_processed_log_probability_when_sampling():
+    """Under temperature 0.7 the processed distribution differs from the raw one: log_softmax(logits / T)."""
+    model, stock = tiny_model("llama", "hf_paged"), tiny_model("llama", "sdpa")
+    gc = GenerationConfig(do_sample=True, temperature=0.7, top_k=0, max_new_tokens=6, pad_token_id=0)
+    out = model.generate_batch(PROMPTS[:1], generation_config=gc)["req_0"]
+    ids = torch.tensor([PROMPTS[0] + out.generated_tokens])
+    with torch.no_grad():
+        logits = stock(ids).logits[0, len(PROMPTS[0]) - 1: -1].float()  # the rows that drew each token
+    tokens = torch.tensor(out.generated_tokens)
+    processed = torch.log_softmax(logits / 0.7, -1)[torch.arange(len(tokens)), tokens]
+    raw = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+    torch.testing.assert_close(torch.tensor(out.logprobs), processed, atol=1e-4, rtol=0)
+    assert not torch.allclose(processed, raw, atol=1e-3)
+
+
+def test_the_config_is_read_as_transformers_reads_it():
+    """The config passed is used as is (no merge of the model's `do_sample=True` or global defaults),
+    `max_new_tokens` of the call wins, and no `max_new_tokens` means no limit but the model's."""
+    stock, ours = tiny_model("llama", "sdpa"), tiny_model("llama", "hf_paged")
+    for model in (stock, ours):
+        model.generation_config.do_sample = True  # the passed config leaves do_sample unset: greedy
+    cb = ContinuousBatchingConfig(auto_switch_to_flash=False)
+    partial = GenerationConfig(eos_token_id=None, pad_token_id=0)
+    ref = stock.generate_batch(PROMPTS, generation_config=partial, continuous_batching_config=cb, max_new_tokens=7)
+    out = ours.generate_batch(PROMPTS, generation_config=partial, continuous_batching_config=cb, max_new_tokens=7)
+    assert [r.generated_tokens for r in out.values()] == [r.generated_tokens for r in ref.values()]
+    assert all(len(r.generated_tokens) == 7 for r in out.values())
+    ours.config.max_position_embeddings = 40  # the model's limit (the default 512 would take long)
+    unbounded = ours.generate_batch([PROMPTS[2]], generation_config=partial)["req_0"]
+    assert unbounded.status == RequestStatus.FINISHED
+    assert len(PROMPTS[2]) + len(unbounded.generated_tokens) == ours.config.max_position_embeddings
+
+
+def test_the_model_runs_in_eval_mode_and_keeps_its_training_mode():
+    """TRL calls generate_batch on a model in training mode: transformers' manager switches to eval;
+    so does hf_paged (attention dropout would be refused by the paged kernels), restoring it after."""
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import CONFIGS
+
+    config = CONFIGS["llama"]()
+    config.attention_dropout = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="hf_paged").train()
+    out = model.generate_batch(PROMPTS, generation_config=GREEDY)
+    assert all(r.status == RequestStatus.FINISHED for r in out.values())
+    assert model.training
+
+
+def test_the_pool_is_freed_after_the_call_unless_persistent():
+    model = tiny_model("llama", "hf_paged")
+    model.generate_batch(PROMPTS, generation_config=GREEDY)
+    assert not hf_paged.release(model)  # nothing left held
+    model.generate_batch(PROMPTS, generation_config=GREEDY, persistent_manager=True)
+    assert hf_paged.release(model)
 
 
 def test_logprobs_are_each_generated_tokens_processed_log_probability():
@@ -147,7 +204,8 @@ def test_repeated_rows_of_a_generate_batch_share_blocks_and_match_stock_greedy(e
     assert engine_calls == [True]
     assert ours.hf_paged_last_metrics["vllm:prompt_tokens"] == 40 + 21
     sampled = ours.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, pad_token_id=0)
-    assert sampled.shape[0] == 6 and ours.hf_paged_last_metrics["vllm:prompt_tokens"] <= 40 + 21
+    metrics = ours.hf_paged_last_metrics  # the second call also reads the first call's full blocks
+    assert sampled.shape[0] == 6 and metrics["vllm:prompt_tokens"] + metrics["vllm:prefix_cache_hits"] == 40 + 21
 
 
 def test_uninstall_restores_transformers_generate_batch():
@@ -161,3 +219,22 @@ def test_uninstall_restores_transformers_generate_batch():
     finally:
         generate_batch.install()
     assert ContinuousMixin.generate_batch.__wrapped__ is wrapped.__wrapped__
+
+
+@pytest.mark.parametrize("detect", [True, False])
+def test_a_persistent_engine_reuses_no_prefix_computed_under_old_weights(detect, monkeypatch):
+    """persistent_manager=True keeps the engine and its prefix cache between calls; an optimizer step in
+    between must make the second call recompute the prompt (the control, detection off, hits it)."""
+    if not detect:
+        monkeypatch.setattr("hf_paged.engine.engine.weights_fingerprint", lambda model: 0)
+    model = tiny_model("llama", "hf_paged")
+    prompt = list(range(3, 51))  # three full blocks
+    model.generate_batch([prompt], generation_config=GREEDY, persistent_manager=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    model.train()
+    model(input_ids=torch.tensor([prompt]), labels=torch.tensor([prompt])).loss.backward()
+    optimizer.step()
+    model.generate_batch([prompt], generation_config=GREEDY, persistent_manager=True)
+    hits = model.hf_paged_last_metrics["vllm:prefix_cache_hits"]
+    assert hits == (0 if detect else 32)  # the last block is computed again for its logits
+    hf_paged.release(model)

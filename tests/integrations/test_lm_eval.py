@@ -45,7 +45,9 @@ def test_scores_with_hf_paged_equal_sdpa(example, checkpoint, task_dir, engine_c
     gen_stock = [s["resps"] for s in stock["samples"]["hfp_capitals_gen"]]
     assert [s["resps"] for s in ours["samples"]["hfp_capitals_gen"]] == gen_stock
     assert any(r[0][0].strip() for r in gen_stock)  # something was generated
+    assert len(ours["samples"]["hfp_capitals_mc"]) == len(stock["samples"]["hfp_capitals_mc"]) == 32
     for a, b in zip(stock["samples"]["hfp_capitals_mc"], ours["samples"]["hfp_capitals_mc"]):
+        assert len(a["resps"]) == len(b["resps"]) == 4
         for (la, _), (lb, _) in zip((r[0] for r in a["resps"]), (r[0] for r in b["resps"])):
             assert abs(la - lb) <= 1e-4 * max(1.0, abs(la))  # loglikelihoods: the dense path, fp32
 

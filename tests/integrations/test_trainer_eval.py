@@ -24,6 +24,7 @@ def test_training_losses_and_evaluation_generations_equal_sdpa(tmp_path, engine_
     assert engine_calls == [True, True]  # both evaluations' generate calls ran on the engine
     assert len(stock["losses"]) == 4 and len(stock["generations"]) == 2
     assert ours["generations"] == stock["generations"] and ours["scores"] == stock["scores"]
+    assert len(ours["losses"]) == len(stock["losses"]) and len(ours["eval_losses"]) == len(stock["eval_losses"])
     for a, b in zip(stock["losses"] + stock["eval_losses"], ours["losses"] + ours["eval_losses"]):
         assert abs(a - b) <= 1e-6
     assert stock["generations"][0] != stock["generations"][1] or stock["losses"][0] != stock["losses"][-1]
@@ -40,6 +41,7 @@ def test_seq2seq_trainer_predict_with_generate_equals_sdpa(tmp_path, engine_call
     assert engine_calls == [True, True]
     assert len(stock["generations"]) == 2 and len(stock["scores"]) == 2
     assert ours["generations"] == stock["generations"] and ours["scores"] == stock["scores"]
+    assert len(ours["losses"]) == len(stock["losses"]) and len(ours["eval_losses"]) == len(stock["eval_losses"])
     for a, b in zip(stock["losses"] + stock["eval_losses"], ours["losses"] + ours["eval_losses"]):
         assert abs(a - b) <= 1e-6
     assert any(g for gens in stock["generations"] for g in gens)  # something was generated and compared

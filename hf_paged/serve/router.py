@@ -1,0 +1,108 @@
+"""Where each request of a disaggregated engine goes. Torch-free bookkeeping.
+
+* **Prefill worker:** by prefix-cache affinity, then load. The router remembers which worker last
+  computed each leading full block of a prompt (a hash chain over blocks of `block_size` tokens,
+  as the workers' prefix caches key them); a new prompt goes to the worker holding the longest run
+  of its leading blocks, ties to the worker with the fewest prompt tokens outstanding.
+* **Decode worker:** by free KV blocks: the last free-block count each worker reported, less the
+  blocks the router has sent it since (pledged, released when the request ends there), most room
+  first.
+
+Workers that died or stopped answering are dropped from both choices (`mark_dead`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class Router:
+    """Args:
+        prefill: the prefill workers' names.
+        decode: the decode workers' names.
+        block_size: tokens per KV block (the workers' engines use the same).
+        max_affinity_entries: leading-block hashes remembered (oldest forgotten first).
+    """
+
+    def __init__(self, prefill: list[str], decode: list[str], block_size: int, max_affinity_entries: int = 65536):
+        if not prefill and not decode:
+            raise ValueError("a disaggregated engine needs at least one worker")
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self.block_size = block_size
+        self.dead: set[str] = set()
+        self.prefill_tokens = {name: 0 for name in prefill}  # prompt tokens sent and not yet prefilled
+        self.pledged = {name: 0 for name in decode}  # blocks sent to the worker and not yet ended there
+        self.reported_free: dict[str, int | None] = {name: None for name in decode}
+        self._affinity: OrderedDict[int, str] = OrderedDict()  # leading-block chain hash -> prefill worker
+        self._max_affinity = max_affinity_entries
+
+    # ------------------------------------------------------------------ prefill
+    def block_chain(self, prompt: list[int]) -> list[int]:
+        """One hash per leading full block of `prompt`, each covering every token before it."""
+        bs, chain, h = self.block_size, [], 0
+        for start in range(0, len(prompt) - bs + 1, bs):
+            h = hash((h, tuple(prompt[start:start + bs])))
+            chain.append(h)
+        return chain
+
+    def choose_prefill(self, prompt: list[int]) -> str | None:
+        """The prefill worker for `prompt`, or None when every prefill worker is dead."""
+        alive = [name for name in self.prefill if name not in self.dead]
+        if not alive:
+            return None
+        matched = dict.fromkeys(alive, 0)
+        for depth, h in enumerate(self.block_chain(prompt), start=1):
+            owner = self._affinity.get(h)
+            if owner not in matched or matched[owner] != depth - 1:
+                break  # the chain continues only on the worker that holds every block before
+            matched[owner] = depth
+        return max(alive, key=lambda name: (matched[name], -self.prefill_tokens[name], -alive.index(name)))
+
+    def start_prefill(self, name: str, prompt: list[int]) -> None:
+        self.prefill_tokens[name] += len(prompt)
+        for h in self.block_chain(prompt):
+            self._affinity[h] = name
+            self._affinity.move_to_end(h)
+        while len(self._affinity) > self._max_affinity:
+            self._affinity.popitem(last=False)
+
+    def end_prefill(self, name: str, prompt: list[int]) -> None:
+        if name in self.prefill_tokens:
+            self.prefill_tokens[name] = max(0, self.prefill_tokens[name] - len(prompt))
+
+    # ------------------------------------------------------------------ decode
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def choose_decode(self) -> str | None:
+        """The decode worker with the most free blocks (reported, less pledged), or None if all are dead."""
+        alive = [name for name in self.decode if name not in self.dead]
+        if not alive:
+            return None
+
+        def room(name: str) -> float:
+            free = self.reported_free[name]
+            return (float("inf") if free is None else free) - self.pledged[name]
+
+        return max(alive, key=lambda name: (room(name), -self.pledged[name], -alive.index(name)))
+
+    def pledge(self, name: str, num_blocks: int) -> None:
+        self.pledged[name] += num_blocks
+
+    def unpledge(self, name: str, num_blocks: int) -> None:
+        if name in self.pledged:
+            self.pledged[name] = max(0, self.pledged[name] - num_blocks)
+
+    def report(self, name: str, free_blocks: int | None) -> None:
+        if name in self.reported_free:
+            self.reported_free[name] = free_blocks
+
+    # ------------------------------------------------------------------ failures
+    def mark_dead(self, name: str) -> None:
+        self.dead.add(name)
+        for h in [h for h, owner in self._affinity.items() if owner == name]:
+            del self._affinity[h]
+
+    def alive(self) -> list[str]:
+        return [name for name in self.prefill + self.decode if name not in self.dead]

@@ -1,0 +1,369 @@
+"""One worker process of a disaggregated engine: a model replica, its own `Engine`, and a loop that
+takes control messages, moves K/V and steps the engine. Single-threaded: the loop is the only
+thread that touches the engine.
+
+Prefill role: each request runs with one new token and its sequence kept (`retain_kv`); the first
+token goes to the router, the prompt's K/V to the decode worker (`export_kv`, one `isend`), whose
+acknowledgement frees the buffer. A request that ends at its first token (EOS, a stop, or
+`max_new_tokens=1`) is finished here.
+
+Decode role: a K/V message posts its `irecv`; once the buffer is in, it is written into this
+engine's blocks (`import_kv`, prefix hashes registered) and the request resumes after the first
+token (`resume_tokens`). A transfer that fails or times out is asked for once more; if that fails
+too, the request is recomputed here from its prompt. A decode worker also runs whole requests
+("run") when no prefill worker is left.
+
+Test hooks (`WorkerSpec.faults`): `drop_transfers=k` skips the first k sends of the first request
+transferred (its control messages still go: k=1 is made good by the retry, k=2 makes the decode
+worker recompute it), `freeze_on_request=True` lets a "freeze" message stop the loop for good
+(no more heartbeats), as a hung worker would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from ..engine import Engine
+from ..engine.delivery import Inbox
+from ..worker import SamplingParams
+from . import transfer
+from .mailbox import Mailbox
+
+logger = logging.getLogger(__name__)
+
+ROUTER = "router"
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker process needs (picklable: it crosses the spawn)."""
+
+    name: str
+    role: str  # "prefill" or "decode"
+    rank: int  # in the workers' K/V process group
+    world_size: int
+    host: str
+    port: int
+    backend: str
+    model_factory: object  # () -> model, or (model, tokenizer)
+    engine_kwargs: dict = field(default_factory=dict)
+    num_threads: int = 1
+    device: str = "cpu"
+    heartbeat_interval: float = 0.2
+    transfer_timeout: float = 10.0
+    start_timeout: float = 300.0
+    parent_pid: int | None = None  # exit when this process is gone (no orphans)
+    faults: dict = field(default_factory=dict)
+
+
+def main(spec: WorkerSpec) -> None:
+    """The worker process: set up, serve until "stop", then exit without waiting on dead peers."""
+    code = 0
+    mailbox = None
+    try:
+        torch.set_num_threads(max(1, spec.num_threads))
+        import torch.distributed as dist
+
+        store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.start_timeout))
+        mailbox = Mailbox(store, spec.name)
+        dist.init_process_group(spec.backend, store=dist.PrefixStore("hf_paged/kv", store), rank=spec.rank,
+                                world_size=spec.world_size, timeout=timedelta(seconds=spec.start_timeout))
+        built = spec.model_factory()
+        model, tokenizer = built if isinstance(built, tuple) else (built, None)
+        model = model.to(spec.device).eval()
+        engine = Engine(model, tokenizer, show_progress=False, **spec.engine_kwargs)
+        engine.generate([[0, 1]], SamplingParams(max_new_tokens=1))  # allocates every layer's K/V tensors
+        engine.reset_prefix_cache()
+        engine.reset_metrics()
+        engine.cache.check_transferable()
+        Worker(spec, engine, mailbox).run()
+    except Exception as exc:  # noqa: BLE001 - report, then exit: the router re-routes this worker's requests
+        traceback.print_exc()
+        if mailbox is not None:
+            try:
+                mailbox.send(ROUTER, {"op": "crashed", "name": spec.name, "error": repr(exc)})
+            except Exception:  # noqa: BLE001 - the router is gone too
+                pass
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # never block on a process group whose peers may be dead
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, engine: Engine, mailbox: Mailbox):
+        self.spec, self.engine, self.mailbox = spec, engine, mailbox
+        self.inbox = Inbox(wants_tokens=True)
+        self.requests: dict[str, dict] = {}  # engine request id -> its routing message
+        self.sends: dict[tuple, transfer.Transfer] = {}  # prefill: K/V buffers until acknowledged
+        self.recvs: dict[tuple, transfer.Transfer] = {}  # decode: K/V on the way in
+        self.resend_deadline: dict[tuple, tuple[float, dict]] = {}  # decode: asked again, waiting
+        self.dead_ranks: set[int] = set()
+        self.next_tag = 1
+        self.drop_transfers = int(spec.faults.get("drop_transfers", 0))
+        self.drop_key: tuple | None = None  # the request whose sends the hook drops
+        self.num_sent_tensors = 0
+        self.stopping = False
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        self.mailbox.send(ROUTER, {"op": "ready", "name": self.spec.name, **self.status()})
+        last_beat = 0.0
+        while not self.stopping:
+            now = time.monotonic()
+            if now - last_beat >= self.spec.heartbeat_interval:
+                self.mailbox.beat(self.status())
+                last_beat = now
+                if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
+                    return  # the engine that started us is gone
+            busy = False
+            for message in self.mailbox.poll():
+                busy = True
+                self.handle(message)
+            busy |= self.poll_transfers()
+            if self.engine.has_unfinished_requests():
+                self.engine.step()
+                busy = True
+            busy |= self.deliver()
+            if not busy:
+                time.sleep(0.002)
+
+    def status(self) -> dict:
+        pool = self.engine.cache.pool
+        return {"role": self.spec.role, "free_blocks": pool.num_free_blocks + pool.num_cached_blocks,
+                "num_blocks": pool.num_blocks, "block_size": self.engine.cache.block_size,
+                "running": len(self.requests), "pending_sends": len(self.sends), "pending_recvs": len(self.recvs),
+                "messages_sent": dict(self.mailbox.num_sent), "tensors_sent": self.num_sent_tensors,
+                "kv_numel_per_token": self.engine.cache.kv_numel_per_token(),
+                "kv_dtype": transfer.dtype_name(self._kv_dtype()), "engine": _engine_counters(self.engine)}
+
+    def _kv_dtype(self) -> torch.dtype:
+        return self.engine.cache.layers[0].keys.dtype
+
+    # ------------------------------------------------------------------ control
+    def handle(self, message: dict) -> None:
+        op = message["op"]
+        if op == "prefill":
+            self.start(message, prefill=True)
+        elif op == "run":
+            self.start(message, prefill=False)
+        elif op == "kv":
+            self.receive(message)
+        elif op == "got":
+            self.sends.pop(message["key"], None)
+        elif op == "resend":
+            self.resend(message)
+        elif op == "lost":
+            self.recompute(message["key"])
+        elif op == "abort":
+            for rid, routed in list(self.requests.items()):
+                if routed["rid"] == message["rid"]:
+                    self.engine.abort(rid)
+                    self.requests.pop(rid, None)
+        elif op == "dead":
+            self.peer_died(message["rank"])
+        elif op == "freeze" and self.spec.faults.get("freeze_on_request"):
+            while True:  # a hung worker: no heartbeat, no answer, until killed
+                time.sleep(3600)
+        elif op == "stop":
+            self.stopping = True
+
+    def start(self, routed: dict, prefill: bool) -> None:
+        """Queue a routed request: its prefill (one token, K/V kept) or the whole of it."""
+        params: SamplingParams = routed["params"]
+        rid = _engine_id(routed)
+        if prefill:
+            params = dataclasses.replace(params, max_new_tokens=1, min_new_tokens=min(params.min_new_tokens, 1))
+        try:
+            self.engine.add_owned_request(routed["prompt"], params, rid, self.inbox, streamed=not prefill
+                                          and routed.get("stream", False), retain_kv=prefill)
+        except (ValueError, TypeError) as exc:  # a bad request fails alone
+            self.mailbox.send(ROUTER, {"op": "failed", "rid": routed["rid"], "attempt": routed["attempt"],
+                                       "error": exc})
+            return
+        self.requests[rid] = {**routed, "role": "prefill" if prefill else "run"}
+
+    def deliver(self) -> bool:
+        items = self.inbox.take_all()
+        tokens: dict[str, list] = {}
+        for event, final in items:
+            rid = (final.request_id if final is not None else event.request_id)
+            routed = self.requests.get(rid)
+            if routed is None:
+                continue
+            if event is not None and final is None and routed["role"] != "prefill" and routed.get("stream"):
+                tokens.setdefault(rid, []).append((event.token_id, event.text))  # the last comes with "done"
+            if final is None:
+                continue
+            if rid in tokens:
+                self._send_tokens(routed, tokens.pop(rid))
+            del self.requests[rid]
+            if routed["role"] == "prefill":
+                self.prefilled(routed, final)
+            else:
+                self.mailbox.send(ROUTER, {"op": "done", "rid": routed["rid"], "attempt": routed["attempt"],
+                                           "output": final, "transfer": routed.get("transfer"),
+                                           "first_logprobs": routed.get("first_logprobs")})
+        for rid, batch in tokens.items():
+            self._send_tokens(self.requests[rid], batch)
+        return bool(items)
+
+    def _send_tokens(self, routed: dict, batch: list) -> None:
+        self.mailbox.send(ROUTER, {"op": "tokens", "rid": routed["rid"], "attempt": routed["attempt"],
+                                   "events": batch})
+
+    # ------------------------------------------------------------------ prefill side
+    def prefilled(self, routed: dict, final) -> None:
+        """The prompt is computed and its first token drawn: finish here, or hand the K/V on."""
+        seqs = self.engine.kept_kv(final.request_id)
+        key = (routed["rid"], routed["attempt"])
+        params: SamplingParams = routed["params"]
+        if final.error is not None or final.finish_reason != "length" or params.max_new_tokens == 1:
+            self.engine.free_kv(seqs)
+            op = "failed" if final.error is not None else "done"
+            self.mailbox.send(ROUTER, {"op": op, "rid": routed["rid"], "attempt": routed["attempt"], "output": final,
+                                       "error": final.error})
+            return
+        seq = seqs[0]
+        buffer = self.engine.export_kv(seq)
+        self.engine.free_kv(seqs)  # its full blocks stay in the prefix cache for later prompts
+        sample = final.outputs[0]
+        kv = {"op": "kv", "key": key, "rid": routed["rid"], "attempt": routed["attempt"], "prompt": routed["prompt"],
+              "params": params, "stream": routed.get("stream", False), "first": list(sample.token_ids),
+              "first_logprobs": sample.logprobs, "src": self.spec.rank, "src_name": self.spec.name,
+              "numel": buffer.numel(), "dtype": transfer.dtype_name(buffer.dtype), "retry": 0}
+        self._post_send(key, buffer, routed["decode_rank"], routed["decode"], kv)
+        self.mailbox.send(ROUTER, {"op": "first", "rid": routed["rid"], "attempt": routed["attempt"],
+                                   "token_ids": list(sample.token_ids), "text": sample.text})
+
+    def _post_send(self, key: tuple, buffer: torch.Tensor, peer: int, peer_name: str, kv: dict) -> None:
+        tag = self.next_tag
+        self.next_tag += 1
+        kv = {**kv, "tag": tag, "sent_at": time.time()}
+        if self.drop_transfers > 0 and self.drop_key in (None, key):  # test hook: the message goes, the data never
+            self.drop_transfers -= 1
+            self.drop_key = key
+            self.sends[key] = transfer.Transfer(key, peer, tag, buffer, _NeverDone(), meta=kv)
+        else:
+            self.sends[key] = transfer.send(key, buffer, peer, tag, meta=kv)
+            self.num_sent_tensors += 1
+        self.sends[key].meta["peer_name"] = peer_name
+        self.mailbox.send(peer_name, kv)
+
+    def resend(self, message: dict) -> None:
+        key = message["key"]
+        sent = self.sends.pop(key, None)
+        if sent is None:  # nothing kept any more: the decode worker recomputes
+            self.mailbox.send(message["from"], {"op": "lost", "key": key})
+            return
+        kv = {**sent.meta, "retry": sent.meta["retry"] + 1}
+        self._post_send(key, sent.buffer, sent.peer, sent.meta["peer_name"], kv)
+
+    def peer_died(self, rank: int) -> None:
+        self.dead_ranks.add(rank)
+        for key in [k for k, t in self.sends.items() if t.peer == rank]:
+            del self.sends[key]
+        for key in [k for k, t in self.recvs.items() if t.peer == rank]:
+            self.recompute(key)
+        for key in [k for k, (_, m) in self.resend_deadline.items() if m["src"] == rank]:
+            self.recompute(key)
+
+    # ------------------------------------------------------------------ decode side
+    def receive(self, kv: dict) -> None:
+        key = kv["key"]
+        self.resend_deadline.pop(key, None)
+        self.recvs[key] = transfer.receive(key, kv["numel"], transfer.dtype_of(kv["dtype"]), self.engine.device,
+                                           kv["src"], kv["tag"], meta=kv)
+
+    def poll_transfers(self) -> bool:
+        progressed = False
+        timeout = self.spec.transfer_timeout
+        for key, t in list(self.recvs.items()):
+            state = transfer.state(t, timeout)
+            if state == "pending":
+                continue
+            progressed = True
+            del self.recvs[key]
+            kv = t.meta
+            if state == "done":
+                self.mailbox.send(kv["src_name"], {"op": "got", "key": key})
+                self.resume(kv, t)
+            elif kv["retry"] == 0 and kv["src"] not in self.dead_ranks:  # once more, then recompute
+                self.mailbox.send(kv["src_name"], {"op": "resend", "key": key, "from": self.spec.name})
+                self.resend_deadline[key] = (time.monotonic() + timeout, kv)
+            else:
+                self.mailbox.send(kv["src_name"], {"op": "got", "key": key})
+                self.recompute(key, kv)
+        for key, (deadline, kv) in list(self.resend_deadline.items()):
+            if time.monotonic() > deadline:
+                progressed = True
+                self.recompute(key, kv)
+        for key, t in list(self.sends.items()):  # unacknowledged sends are dropped after long enough
+            if time.monotonic() - t.started > 4 * timeout:
+                del self.sends[key]
+        return progressed
+
+    def resume(self, kv: dict, t: transfer.Transfer) -> None:
+        """The K/V are in: store them in this engine's blocks and continue after the first token."""
+        routed = {"rid": kv["rid"], "attempt": kv["attempt"], "prompt": kv["prompt"], "params": kv["params"],
+                  "stream": kv["stream"], "role": "decode", "first_logprobs": kv["first_logprobs"],
+                  "transfer": {"src": kv["src_name"], "bytes": t.nbytes, "seconds": max(time.time() - kv["sent_at"],
+                                                                                      1e-9)}}
+        rid = _engine_id(routed)
+        try:
+            seq = self.engine.import_kv(kv["prompt"], t.buffer)
+        except Exception as exc:  # noqa: BLE001 - no room (a fixed pool) or a bad buffer: recompute here
+            logger.warning("hf_paged: %s could not store the K/V of %r (%r); recomputing it", self.spec.name,
+                           kv["rid"], exc)
+            self.recompute(kv["key"], kv)
+            return
+        try:
+            self.engine.add_owned_request(kv["prompt"], kv["params"], rid, self.inbox, streamed=kv["stream"],
+                                          kv_prefix=seq, resume_tokens=kv["first"])
+        except (ValueError, TypeError) as exc:
+            self.engine.free_kv([seq])
+            self.mailbox.send(ROUTER, {"op": "failed", "rid": kv["rid"], "attempt": kv["attempt"], "error": exc})
+            return
+        self.requests[rid] = routed
+
+    def recompute(self, key: tuple, kv: dict | None = None) -> None:
+        """Run the request whole here, from its prompt (a transfer that could not be had)."""
+        pending = self.recvs.pop(key, None)
+        waiting = self.resend_deadline.pop(key, None)
+        kv = kv or (pending.meta if pending is not None else waiting[1] if waiting is not None else None)
+        if kv is None:
+            return
+        self.mailbox.send(ROUTER, {"op": "recomputed", "rid": kv["rid"], "attempt": kv["attempt"]})
+        self.start({"rid": kv["rid"], "attempt": kv["attempt"], "prompt": kv["prompt"], "params": kv["params"],
+                    "stream": kv["stream"]}, prefill=False)
+
+
+class _NeverDone:
+    """The work of a send the `drop_transfers` hook skipped."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, *args) -> bool:
+        return False
+
+
+def _engine_id(routed: dict) -> str:
+    return f"{routed['rid']}#{routed['attempt']}"
+
+
+def _engine_counters(engine: Engine) -> dict:
+    m = engine.metrics()
+    keys = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
+            "vllm:num_requests_running", "num_steps")
+    return {k: m[k] for k in keys if k in m}

@@ -1,0 +1,222 @@
+"""`DisaggregatedEngine` on the tiny Llama (gloo, CPU): output equal to one `Engine`, K/V bytes and
+message counts per request, faults (a decode worker killed or hung, transfers lost), bad requests
+and shutdown. Every run checks that each request completes exactly once with one engine's output
+and that no worker process is left."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from hf_paged import Engine, SamplingParams
+from hf_paged.serve.disagg import DisaggregatedEngine
+from tiny_models import VOCAB, tiny_paged_llama
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[3 + (i * 7 + j) % (VOCAB - 3) for j in range(n)] for i, n in enumerate([5, 20, 37, 64, 16, 90, 1, 33])]
+SYSTEM = list(range(100, 148))  # three full blocks shared by the second half
+SHARED = PROMPTS[:4] + [SYSTEM + p for p in PROMPTS[4:]]
+KV_BYTES_PER_TOKEN = 3 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+
+
+def _reference(prompts, params):
+    return [o.token_ids for o in Engine(tiny_paged_llama()).generate(prompts, params)]
+
+
+def _gone(pids) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
+def _settled(engine, key: str, expected, timeout: float = 5.0):
+    """`engine.metrics()[key]` once the workers' last heartbeats report it (they beat every 0.2 s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = engine.metrics()[key]
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("num_prefill, num_decode", [(1, 2), (2, 1)])
+def test_greedy_and_seeded_outputs_equal_one_engine_with_exact_kv_accounting(num_prefill, num_decode):
+    greedy = SamplingParams(max_new_tokens=12)
+    seeded = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=100 + i) for i in range(len(SHARED))]
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=num_prefill, num_decode=num_decode) as engine:
+        pids = list(engine.worker_pids.values())
+        out = engine.generate(SHARED, greedy)
+        assert [o.token_ids for o in out] == _reference(SHARED, greedy)
+        assert all(o.error is None and o.finish_reason == "length" for o in out)
+        moved = sum(len(p) for p in SHARED)
+        m = engine.metrics()
+        assert m["kv_bytes_transferred"] == moved * KV_BYTES_PER_TOKEN  # exactly the prompts' K/V
+        assert sum(t["count"] for t in m["transfers"].values()) == len(SHARED)
+        assert _settled(engine, "tensor_sends", len(SHARED)) == len(SHARED)  # one message per request
+        per_request = _settled(engine, "control_messages", 5 * len(SHARED)) / len(SHARED)
+        assert per_request == 5  # prefill, first, kv, got, done: O(1) whatever the prompt's length
+        out = engine.generate(SHARED, seeded)
+        assert [o.token_ids for o in out] == _reference(SHARED, seeded)
+        hits = sum(w["engine"].get("vllm:prefix_cache_hits", 0) for w in engine.metrics()["workers"].values())
+        assert hits > 0  # the shared system prompt and the repeated prompts were served from prefix caches
+    assert _gone(pids)
+
+
+def test_streamed_tokens_join_to_the_outputs():
+    params = SamplingParams(max_new_tokens=6)
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1) as engine:
+        events = list(engine.stream(PROMPTS[:4], params))
+    expected = _reference(PROMPTS[:4], params)
+    for i in range(4):
+        mine = [e for e in events if e.index == i]
+        assert [e.token_id for e in mine] == expected[i]
+        assert [e.finish_reason for e in mine][-1] == "length" and all(e.finish_reason is None for e in mine[:-1])
+
+
+def test_a_bad_request_fails_alone():
+    params = SamplingParams(max_new_tokens=5)
+    prompts = [PROMPTS[0], [5, VOCAB + 7], [], PROMPTS[1]]
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1) as engine:
+        out = engine.generate(prompts, params)
+        [two] = engine.generate([PROMPTS[0]], SamplingParams(n=2, temperature=1.0))
+    assert two.error is not None and "n=1" in str(two.error)
+    assert out[1].error is not None and str(VOCAB + 7) in str(out[1].error)
+    assert out[2].error is not None and "empty" in str(out[2].error)
+    expected = _reference([PROMPTS[0], PROMPTS[1]], params)
+    assert [out[0].token_ids, out[3].token_ids] == expected
+
+
+def _generate_in_thread(engine, prompts, params):
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", engine.generate(prompts, params)))
+    thread.start()
+    return thread, box
+
+
+def _wait_running(engine, name: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = engine.metrics()["workers"].get(name, {})
+        if status.get("running", 0) > 0 and status.get("engine", {}).get("vllm:generation_tokens", 0) > 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never ran a request")
+
+
+MANY = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(24)]
+LONG = SamplingParams(max_new_tokens=48, ignore_eos=True)
+
+
+def test_a_killed_decode_worker_has_its_requests_rerun_elsewhere():
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=2, heartbeat_timeout=3.0) as engine:
+        pids = list(engine.worker_pids.values())
+        thread, box = _generate_in_thread(engine, MANY, LONG)
+        _wait_running(engine, "decode0")
+        os.kill(engine.worker_pids["decode0"], 9)
+        thread.join(120)
+        assert not thread.is_alive()
+        m = engine.metrics()
+        assert m["dead_workers"] == ["decode0"] and m["reroutes"] >= 1
+    assert [o.token_ids for o in box["out"]] == _reference(MANY, LONG)
+    assert len({o.request_id for o in box["out"]}) == len(MANY)  # each exactly once
+    assert _gone(pids)
+
+
+def test_a_hung_decode_worker_is_detected_killed_and_its_requests_rerun():
+    faults = {"decode1": {"freeze_on_request": True}}
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=2, heartbeat_timeout=2.0,
+                             faults=faults) as engine:
+        pids = list(engine.worker_pids.values())
+        thread, box = _generate_in_thread(engine, MANY, LONG)
+        _wait_running(engine, "decode1")
+        engine.send_control("decode1", {"op": "freeze"})
+        thread.join(120)
+        assert not thread.is_alive()
+        assert engine.metrics()["dead_workers"] == ["decode1"]
+    assert [o.token_ids for o in box["out"]] == _reference(MANY, LONG)
+    assert _gone(pids)
+
+
+def test_a_killed_prefill_worker_has_its_queued_requests_rerouted():
+    """With the only prefill worker gone, the decode worker computes the re-routed requests whole."""
+    prompts = [[3 + (i * 13 + j) % (VOCAB - 3) for j in range(300)] for i in range(40)]
+    params = SamplingParams(max_new_tokens=6)
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1, heartbeat_timeout=3.0,
+                             engine_kwargs={"max_num_batched_tokens": 600}) as engine:
+        pids = list(engine.worker_pids.values())
+        thread, box = _generate_in_thread(engine, prompts, params)
+        _wait_running(engine, "decode0")
+        os.kill(engine.worker_pids["prefill0"], 9)
+        thread.join(120)
+        assert not thread.is_alive()
+        m = engine.metrics()
+        assert m["dead_workers"] == ["prefill0"] and m["reroutes"] >= 1
+    assert [o.token_ids for o in box["out"]] == _reference(prompts, params)
+    assert _gone(pids)
+
+
+@pytest.mark.parametrize("dropped, recomputed", [(1, 0), (2, 1)])
+def test_a_lost_transfer_is_retried_once_then_recomputed(dropped, recomputed):
+    """The first `dropped` sends of the prefill worker never happen: one loss is made good by the
+    retry; two in a row (the same request's send and resend) make the decode worker recompute it."""
+    faults = {"prefill0": {"drop_transfers": dropped}}
+    params = SamplingParams(max_new_tokens=8)
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1, transfer_timeout=1.0,
+                             faults=faults) as engine:
+        out = engine.generate(PROMPTS[:3], params)
+        m = engine.metrics()
+    assert [o.token_ids for o in out] == _reference(PROMPTS[:3], params)
+    assert m.get("recomputed", 0) == recomputed
+
+
+def test_the_first_token_ends_a_request_on_the_prefill_worker():
+    params = SamplingParams(max_new_tokens=1)
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1) as engine:
+        out = engine.generate(PROMPTS[:3], params)
+        assert engine.metrics()["kv_bytes_transferred"] == 0
+    assert [o.token_ids for o in out] == _reference(PROMPTS[:3], params)
+
+
+def test_without_prefill_workers_decode_workers_run_whole_requests():
+    params = SamplingParams(max_new_tokens=6)
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=0, num_decode=1) as engine:
+        out = engine.generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in out] == _reference(PROMPTS[:3], params)
+
+
+def test_bad_topologies_and_factories_are_refused():
+    with pytest.raises(ValueError, match="num_decode >= 1"):
+        DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=0)
+    with pytest.raises(TypeError, match="callable"):
+        DisaggregatedEngine("not a factory")
+
+
+def test_torchrun_runs_the_same_topology_across_processes(tmp_path):
+    """`python -m torch.distributed.run --nproc-per-node 3 -m hf_paged.serve.disagg --prefill 1 --decode 1`:
+    rank 0 routes and writes the outputs, rank 1 prefills, rank 2 decodes."""
+    import json
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "tiny"
+    tiny_paged_llama().save_pretrained(model_dir)
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS))
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+           "-m", "hf_paged.serve.disagg", "--prefill", "1", "--decode", "1", "--model", str(model_dir),
+           "--input", str(rows), "--output", str(out), "--max-new-tokens", "6"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["token_ids"] for r in records] == _reference(PROMPTS, SamplingParams(max_new_tokens=6))
+    assert all(r["error"] is None for r in records)
