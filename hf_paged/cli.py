@@ -11,6 +11,10 @@ from .planner import cli as planner_cli
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:
+        from .serve.api_server import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[:1] == ["lm-eval"]:  # every later argument is lm-eval's own
         from .integrations.lm_eval_cli import main as lm_eval_main
 
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default=None, help="where the model runs (default: cuda if present, else cpu)")
     gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
     sub.add_parser("info", help="versions and the supported transformers range")
+    sub.add_parser("serve", help="an OpenAI-compatible HTTP server (hf-paged serve MODEL_DIR|default --help)")
     sub.add_parser("lm-eval", help="lm-evaluation-harness's command line (same arguments) with the hf_paged "
                                    "attention registered: --model hf --model_args ...,attn_implementation=hf_paged")
     planner_cli.add_subcommands(sub)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 
 # package -> the hf_paged extra that installs it (pyproject.toml's optional-dependencies)
-EXTRAS = {"datasets": "data", "trl": "train", "peft": "train", "lm_eval": "eval", "matplotlib": "plot"}
+EXTRAS = {"datasets": "data", "trl": "train", "peft": "train", "lm_eval": "eval", "matplotlib": "plot",
+          "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve"}
 
 
 def require(module: str, extra: str | None = None, what: str | None = None):

@@ -1,5 +1,9 @@
-"""Serving topologies over the engine: disaggregated prefill and decode (`disagg`), with its
-router policy (`router`, torch-free), control messages (`mailbox`) and K/V transfer (`transfer`).
+"""Serving front ends over the engine.
+
+* `api_server`: `hf-paged serve`, an OpenAI-compatible HTTP server (FastAPI + uvicorn) over
+  `AsyncEngine`, with its request checking in `openai_protocol` (torch-free).
+* `disagg`: disaggregated prefill and decode workers, with its router policy (`router`,
+  torch-free), control messages (`mailbox`), K/V transfer (`transfer`) and worker loop (`worker`).
 
 The top of the dependency chain, above `integrations`: it may use every other sub-package, and none
 imports it.

@@ -113,18 +113,11 @@ class DisaggregatedEngine:
             raise ValueError(f"need num_prefill >= 0 and num_decode >= 1, got {num_prefill!r} and {num_decode!r}")
         if not callable(model_factory):
             raise TypeError("model_factory must be a picklable callable returning the model (or model, tokenizer)")
-        self.tokenizer = tokenizer
         engine_kwargs = {"block_size": 16, "enable_hybrid_kv": False, **(engine_kwargs or {})}
-        self.block_size = engine_kwargs["block_size"]
         backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
-        self.heartbeat_timeout = heartbeat_timeout
-        self.prefill_names = [f"prefill{i}" for i in range(num_prefill)]
-        self.decode_names = [f"decode{j}" for j in range(num_decode)]
-        names = self.prefill_names + self.decode_names
-        self.ranks = {name: r for r, name in enumerate(names)}
-        self.router = Router(self.prefill_names, self.decode_names, self.block_size)
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.mailbox = Mailbox(self.store, ROUTER)
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        names = self._init_router(store, num_prefill, num_decode, engine_kwargs["block_size"], heartbeat_timeout,
+                                  tokenizer)
         threads = num_threads or max(1, (os.cpu_count() or 1) // len(names))
         ctx = torch.multiprocessing.get_context("spawn")
         self._procs: dict[str, object] = {}
@@ -142,6 +135,21 @@ class DisaggregatedEngine:
             proc.start()
             self._procs[name] = proc
         self._finalizer = weakref.finalize(self, _kill_all, list(self._procs.values()))
+        self._start(start_timeout)
+
+    def _init_router(self, store, num_prefill: int, num_decode: int, block_size: int, heartbeat_timeout: float,
+                     tokenizer) -> list[str]:
+        """The router's state (both the spawning engine and torchrun's rank 0); returns the workers' names."""
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.heartbeat_timeout = heartbeat_timeout
+        self.prefill_names = [f"prefill{i}" for i in range(num_prefill)]
+        self.decode_names = [f"decode{j}" for j in range(num_decode)]
+        names = self.prefill_names + self.decode_names
+        self.ranks = {name: r for r, name in enumerate(names)}
+        self.router = Router(self.prefill_names, self.decode_names, block_size)
+        self.store = store
+        self.mailbox = Mailbox(store, ROUTER)
         self._status: dict[str, dict] = {}
         self._beats = {name: (-1, time.monotonic()) for name in names}
         self._active: dict[str, _Routed] = {}
@@ -152,6 +160,9 @@ class DisaggregatedEngine:
         self._error: BaseException | None = None
         self._transfers: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # pair -> count, bytes, s
         self.counters = defaultdict(int)  # requests, reroutes, recomputed, finished...
+        return names
+
+    def _start(self, start_timeout: float) -> None:
         try:
             self._wait_ready(start_timeout)
         except BaseException:
@@ -618,28 +629,10 @@ class _TorchrunRouter(DisaggregatedEngine):
     """The router of a torchrun job: the workers are torchrun's processes, not children of this one."""
 
     def __init__(self, store, num_prefill: int, num_decode: int, block_size: int, heartbeat_timeout: float):
-        self.tokenizer = None
-        self.block_size = block_size
-        self.heartbeat_timeout = heartbeat_timeout
-        self.prefill_names = [f"prefill{i}" for i in range(num_prefill)]
-        self.decode_names = [f"decode{j}" for j in range(num_decode)]
-        names = self.prefill_names + self.decode_names
-        self.ranks = {name: r for r, name in enumerate(names)}
-        self.router = Router(self.prefill_names, self.decode_names, block_size)
-        self.store = store
-        self.mailbox = Mailbox(store, ROUTER)
+        names = self._init_router(store, num_prefill, num_decode, block_size, heartbeat_timeout, None)
         self._procs = {name: _RemoteWorker() for name in names}
         self._finalizer = weakref.finalize(self, lambda: None)
-        self._status, self._active, self._new = {}, {}, queue.SimpleQueue()
-        self._beats = {name: (-1, time.monotonic()) for name in names}
-        self._ids = iter(range(1 << 62))
-        self._lock = threading.Lock()
-        self._closed, self._error = False, None
-        self._transfers = defaultdict(lambda: [0, 0.0, 0.0])
-        self.counters = defaultdict(int)
-        self._wait_ready(600.0)
-        self._thread = threading.Thread(target=self._loop, name="hf_paged-router", daemon=True)
-        self._thread.start()
+        self._start(600.0)
 
 
 class _RemoteWorker:

@@ -115,52 +115,49 @@ MANY = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(24)]
 LONG = SamplingParams(max_new_tokens=48, ignore_eos=True)
 
 
-def test_a_killed_decode_worker_has_its_requests_rerun_elsewhere():
-    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=2, heartbeat_timeout=3.0) as engine:
+def _fault_mid_run(prompts, params, running: str, fault, **engine_kwargs) -> None:
+    """Start `generate(prompts)`, apply `fault(engine)` once `running` decodes, and check that every
+    request is answered once with one engine's tokens, the faulty worker was dropped, and no worker
+    process is left."""
+    with DisaggregatedEngine(tiny_paged_llama, **engine_kwargs) as engine:
         pids = list(engine.worker_pids.values())
-        thread, box = _generate_in_thread(engine, MANY, LONG)
-        _wait_running(engine, "decode0")
-        os.kill(engine.worker_pids["decode0"], 9)
+        thread, box = _generate_in_thread(engine, prompts, params)
+        _wait_running(engine, running)
+        victim = fault(engine)
         thread.join(120)
         assert not thread.is_alive()
         m = engine.metrics()
-        assert m["dead_workers"] == ["decode0"] and m["reroutes"] >= 1
-    assert [o.token_ids for o in box["out"]] == _reference(MANY, LONG)
-    assert len({o.request_id for o in box["out"]}) == len(MANY)  # each exactly once
+        assert m["dead_workers"] == [victim] and m["reroutes"] >= 1
+    assert [o.token_ids for o in box["out"]] == _reference(prompts, params)
+    assert len({o.request_id for o in box["out"]}) == len(prompts)  # each exactly once
     assert _gone(pids)
+
+
+def _kill(name: str):
+    def fault(engine):
+        os.kill(engine.worker_pids[name], 9)
+        return name
+    return fault
+
+
+def test_a_killed_decode_worker_has_its_requests_rerun_elsewhere():
+    _fault_mid_run(MANY, LONG, "decode0", _kill("decode0"), num_prefill=1, num_decode=2, heartbeat_timeout=3.0)
 
 
 def test_a_hung_decode_worker_is_detected_killed_and_its_requests_rerun():
-    faults = {"decode1": {"freeze_on_request": True}}
-    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=2, heartbeat_timeout=2.0,
-                             faults=faults) as engine:
-        pids = list(engine.worker_pids.values())
-        thread, box = _generate_in_thread(engine, MANY, LONG)
-        _wait_running(engine, "decode1")
+    def freeze(engine):
         engine.send_control("decode1", {"op": "freeze"})
-        thread.join(120)
-        assert not thread.is_alive()
-        assert engine.metrics()["dead_workers"] == ["decode1"]
-    assert [o.token_ids for o in box["out"]] == _reference(MANY, LONG)
-    assert _gone(pids)
+        return "decode1"
+
+    _fault_mid_run(MANY, LONG, "decode1", freeze, num_prefill=1, num_decode=2, heartbeat_timeout=2.0,
+                   faults={"decode1": {"freeze_on_request": True}})
 
 
 def test_a_killed_prefill_worker_has_its_queued_requests_rerouted():
     """With the only prefill worker gone, the decode worker computes the re-routed requests whole."""
     prompts = [[3 + (i * 13 + j) % (VOCAB - 3) for j in range(300)] for i in range(40)]
-    params = SamplingParams(max_new_tokens=6)
-    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1, heartbeat_timeout=3.0,
-                             engine_kwargs={"max_num_batched_tokens": 600}) as engine:
-        pids = list(engine.worker_pids.values())
-        thread, box = _generate_in_thread(engine, prompts, params)
-        _wait_running(engine, "decode0")
-        os.kill(engine.worker_pids["prefill0"], 9)
-        thread.join(120)
-        assert not thread.is_alive()
-        m = engine.metrics()
-        assert m["dead_workers"] == ["prefill0"] and m["reroutes"] >= 1
-    assert [o.token_ids for o in box["out"]] == _reference(prompts, params)
-    assert _gone(pids)
+    _fault_mid_run(prompts, SamplingParams(max_new_tokens=6), "decode0", _kill("prefill0"), num_prefill=1,
+                   num_decode=1, heartbeat_timeout=3.0, engine_kwargs={"max_num_batched_tokens": 600})
 
 
 @pytest.mark.parametrize("dropped, recomputed", [(1, 0), (2, 1)])

@@ -1,0 +1,216 @@
+"""OpenAI request bodies checked field by field, and OpenAI-shaped errors. Torch-free.
+
+Every malformed or hostile body ends here as an `APIError` with OpenAI's status and error shape
+(`{"error": {"message", "type", "param", "code"}}`); nothing reaches the engine unchecked.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class APIError(Exception):
+    """An error answered to the client: HTTP `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_body_bytes: int = 1 << 20
+    max_model_len: int = 2048
+    max_tokens: int = 1024
+    default_max_tokens: int = 16
+    max_n: int = 8
+    max_stop: int = 4
+    max_logprobs: int = 20
+
+
+@dataclass
+class Parsed:
+    """A checked request: what the server passes on to the engine."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None  # top alternatives per token (0: the chosen token only)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    user: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+           "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "logprobs"}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
+ROLES = ("system", "user", "assistant")
+
+
+def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -> Parsed:
+    """Check an OpenAI `completions` (kind "completion") or `chat/completions` ("chat") body."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_json_type(body)}")
+    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise APIError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError(400, "'model' is required: a string", param="model")
+    if model not in models:
+        raise APIError(404, f"the model {model!r} does not exist (this server serves {models})", param="model",
+                       code="model_not_found")
+    p = Parsed(kind=kind, model=model)
+    key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
+    p.max_tokens = _int(body, key, limits.default_max_tokens, 1, limits.max_tokens)
+    p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if p.top_p == 0.0:
+        raise APIError(400, "'top_p' must be greater than 0", param="top_p")
+    p.n = _int(body, "n", 1, 1, limits.max_n)
+    p.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    p.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    p.seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
+    p.stop = _stop(body.get("stop"), limits)
+    p.logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise APIError(400, "'user' must be a string", param="user")
+    p.user = user
+    p.stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not p.stream:
+            raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options")
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise APIError(400, "'stream_options' must be an object with 'include_usage'", param="stream_options")
+        p.include_usage = _bool(options, "include_usage", False)
+    if kind == "completion":
+        p.logprobs = _int(body, "logprobs", None, 0, min(5, limits.max_logprobs))
+        p.prompt = _prompt(body.get("prompt"), vocab_size)
+    else:
+        if _bool(body, "logprobs", False):
+            p.logprobs = _int(body, "top_logprobs", 0, 0, limits.max_logprobs)
+        elif body.get("top_logprobs") is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        p.messages = _messages(body.get("messages"))
+    return p
+
+
+def _json_type(value) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _int(body: dict, name: str, default, low: int, high: int):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise APIError(400, f"'{name}' must be an integer, got {_json_type(value)} {value!r:.40}", param=name)
+    if not low <= value <= high:
+        raise APIError(400, f"'{name}' must be between {low} and {high}, got {value}", param=name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(400, f"'{name}' must be a number, got {_json_type(value)}", param=name)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise APIError(400, f"'{name}' must be a finite number between {low} and {high}, got {value}", param=name)
+    return float(value)
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"'{name}' must be a boolean, got {_json_type(value)}", param=name)
+    return value
+
+
+def _stop(value, limits: Limits) -> list[str]:
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
+    if len(stops) > limits.max_stop:
+        raise APIError(400, f"'stop' takes at most {limits.max_stop} sequences, got {len(stops)}", param="stop")
+    return stops
+
+
+def _logit_bias(value, vocab_size: int) -> dict[int, float]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise APIError(400, "'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise APIError(400, f"'logit_bias' key {key!r:.40} is not a token id", param="logit_bias") from None
+        if not 0 <= token < vocab_size or str(token) != str(key).strip():
+            raise APIError(400, f"'logit_bias' key {key!r:.40} is not a token id in [0, {vocab_size})",
+                           param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
+                or not -100 <= bias <= 100:
+            raise APIError(400, f"'logit_bias' values must be numbers in [-100, 100], got {bias!r:.40}",
+                           param="logit_bias")
+        out[token] = float(bias)
+    return out
+
+
+def _prompt(value, vocab_size: int) -> str | list[int]:
+    if isinstance(value, str):
+        if not value:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = [t for t in value if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"'prompt' holds token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                           param="prompt")
+        return list(value)
+    if isinstance(value, list) and not value:
+        raise APIError(400, "'prompt' is empty", param="prompt")
+    raise APIError(400, "'prompt' must be a string or a list of token ids", param="prompt")
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise APIError(400, "'messages' must be a non-empty array", param="messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role' ({', '.join(ROLES)}) and a string "
+                                "'content'", param=f"messages[{i}]")
+        if set(m) - {"role", "content", "name"}:
+            raise APIError(400, f"messages[{i}] has unknown field(s) {sorted(set(m) - {'role', 'content', 'name'})}",
+                           param=f"messages[{i}]")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
