@@ -60,18 +60,23 @@ def _pct(values, q):
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
-def reference_texts(model_dir: str, max_tokens: int, chat: bool = False) -> dict[str, str]:
-    """What an offline `Engine.generate` answers to each prompt, greedily (the oracle)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+STOPS = ["\n\n", ".", " the"]
 
+
+def reference_texts(model: str, max_tokens: int) -> dict[tuple[str, str | None], str]:
+    """What an offline `Engine.generate` answers to each prompt, greedily, with each stop or none (the
+    oracle). `model` is what `hf-paged serve` takes: a folder, `module:callable` or "default"."""
     from hf_paged import Engine, SamplingParams
+    from hf_paged.serve.models import ModelFromPath
 
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="hf_paged", local_files_only=True)
-    engine = Engine(model, tok, max_model_len=256)
+    model, tok = ModelFromPath(model)()
+    engine = Engine(model.eval(), tok, max_model_len=256, show_progress=False)
     ids = [tok(p)["input_ids"] for p in PROMPTS]
-    outs = engine.generate(ids, SamplingParams(max_new_tokens=max_tokens))
-    return {p: o.text for p, o in zip(PROMPTS, outs)}
+    reference = {}
+    for stop in [None, *STOPS]:
+        outs = engine.generate(ids, SamplingParams(max_new_tokens=max_tokens, stop=[stop] if stop else None))
+        reference.update({(p, stop): o.text for p, o in zip(PROMPTS, outs)})
+    return reference
 
 
 async def _client(cid: int, url: str, model: str, deadline: float, budget: dict, stats: dict, rng: random.Random,
@@ -98,7 +103,7 @@ async def _client(cid: int, url: str, model: str, deadline: float, budget: dict,
                 body["seed"] = rng.randrange(1 << 30)
                 body["n"] = rng.choice([1, 2])
             if rng.random() < 0.2:
-                body["stop"] = [rng.choice(["\n\n", ".", " the"])]
+                body["stop"] = [rng.choice(STOPS)]
             stream = rng.random() < 0.5
             n = body.get("n", 1)
             if stream:
@@ -114,8 +119,8 @@ async def _client(cid: int, url: str, model: str, deadline: float, budget: dict,
                 stats["done"][rid] = stats["done"].get(rid, 0) + 1
                 if len(choices) != n or any(c["finish_reason"] is None for c in choices):
                     stats["failed"].append((rid, "incomplete", choices))
-                if greedy and "stop" not in body:
-                    stats["greedy"].append((prompt, choices[0]["text"]))
+                if greedy:
+                    stats["greedy"].append(((prompt, body.get("stop", [None])[0]), choices[0]["text"]))
                 stats["tokens"] += r.json()["usage"]["completion_tokens"]
 
 
@@ -153,8 +158,8 @@ async def _stream(http, body: dict, rid: int, n: int, cut: bool, stats: dict) ->
     stats["tokens"] += chunks - finishes
     if finishes != n or done != 1:
         stats["failed"].append((rid, "stream incomplete", finishes, done))
-    elif body["temperature"] == 0 and "stop" not in body:
-        stats["greedy"].append((body["prompt"], text))
+    elif body["temperature"] == 0:
+        stats["greedy"].append(((body["prompt"], body.get("stop", [None])[0]), text))
 
 
 def _metric(url: str, name: str) -> float:
@@ -166,27 +171,43 @@ def _metric(url: str, name: str) -> float:
     return float("nan")
 
 
+def start_server(cmd: list[str], url: str, env: dict, timeout: float = 180) -> subprocess.Popen:
+    """Start a server process and wait until `url`/health answers 200. Its stderr is kept in a temporary
+    file (a pipe nobody reads would fill and stall it); a server that exits or never answers raises
+    RuntimeError with the end of that stderr."""
+    import tempfile
+
+    import httpx
+
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, text=True, env=env)
+    proc.log = log
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            raise RuntimeError(f"the server did not start ({' '.join(cmd[:4])} ...): {log.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+
+
 def run_soak(model_dir: str, seconds: float, requests: int, clients: int, num_blocks: int = 48, max_tokens: int = 24,
              seed: int = 0) -> dict:
     """Start the server, soak it, stop it (SIGTERM); returns the measurements and the checks' inputs."""
-    import httpx
-
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "hf_paged.cli", "serve", model_dir, "--served-model-name", "m", "--port", str(port),
            "--max-model-len", "256", "--max-tokens", "64", "--num-blocks", str(num_blocks), "--max-num-seqs", "32"]
     env = {k: v for k, v in os.environ.items() if k != "HF_PAGED_API_KEY"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = start_server(cmd, url, env)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not start: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         rss: list[int] = []
         stop_sampling = threading.Event()
 
@@ -270,7 +291,8 @@ def report(stats: dict) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="a served model folder (with its tokenizer)")
+    parser.add_argument("--model", required=True, help="what hf-paged serve takes: a model folder with its tokenizer, "
+                                                       "module:callable, or 'default' (SmolLM2-135M-Instruct)")
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--clients", type=int, default=32)

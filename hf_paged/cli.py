@@ -91,6 +91,9 @@ def _batch_job(parser, args) -> int:
     from .engine import Engine
     from .integrations.jobs import done_indices, read_rows, run_job
     from .worker import SamplingParams
+    from .worker.cpu_caches import bound_cpu_kernel_caches
+
+    bound_cpu_kernel_caches()  # a long job: memory stays flat as step shapes vary
 
     try:
         done_indices(args.output)  # before loading anything: an --output that is some other file stops here

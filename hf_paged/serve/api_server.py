@@ -20,7 +20,6 @@ Hardening:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import logging
@@ -30,6 +29,7 @@ import uuid
 
 from ..engine import AsyncEngine
 from ..worker import SamplingParams
+from ..worker.cpu_caches import bound_cpu_kernel_caches
 from .openai_protocol import APIError, Limits, Parsed, parse
 
 try:  # FastAPI resolves the endpoints' annotations in this module's globals
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from ..engine import Engine
-    from .disagg import ModelFromPath
+    from .models import ModelFromPath
 
     parser = argparse.ArgumentParser(prog="hf-paged serve", description="OpenAI-compatible server over hf_paged")
     parser.add_argument("model", help="a model folder, a factory 'module:callable', or 'default' (SmolLM2)")
@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     _require()
+    bound_cpu_kernel_caches()  # before the first forward: a server's RSS stays flat (worker/cpu_caches.py)
     model, tokenizer = ModelFromPath(args.model)()
     if tokenizer is None:
         parser.error(f"{args.model} has no tokenizer")

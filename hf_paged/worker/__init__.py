@@ -6,13 +6,16 @@
   incrementally kept penalty and n-gram state) and the counter-based random numbers.
 * `sampler.py`: the batched `Sampler`: every row of a step processed and sampled together, with
   logprobs, scores and raw logits on request.
+* `cpu_caches.py`: caps on oneDNN's shape-keyed primitive caches, so a long-running process's
+  memory stays flat as step shapes vary.
 
 Neither decides which requests run (that is `core.scheduler`) nor holds request state.
 """
 
+from .cpu_caches import bound_cpu_kernel_caches
 from .runner import Chunk, ModelRunner
 from .sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, processed_logits, sample_processed
 from .sampling import SamplingParams, SamplingState, draw_seed, sample_seed, uniform
 
-__all__ = ["Chunk", "ModelRunner", "SampleRow", "Sampler", "SamplerOutput", "SamplingParams", "SamplingState",
+__all__ = ["bound_cpu_kernel_caches", "Chunk", "ModelRunner", "SampleRow", "Sampler", "SamplerOutput", "SamplingParams", "SamplingState",
            "TokenLogprobs", "draw_seed", "processed_logits", "sample_processed", "sample_seed", "uniform"]

@@ -228,7 +228,7 @@ class Sampler:
     # ------------------------------------------------------------------ warpers -> blocks
     def warp(self, logits: torch.Tensor, rows: list[SampleRow], sampling: list[int]) -> list[_Block]:
         """The warped distributions (temperature, top-k, top-p, min-p) of the `sampling` rows."""
-        vocab, device = logits.shape[-1], logits.device
+        vocab = logits.shape[-1]
         params = [rows[i].state.params for i in sampling]
         with_k = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
         without_k = [j for j, p in enumerate(params) if not 0 < p.top_k < vocab]

@@ -25,9 +25,7 @@ def test_short_soak_loses_nothing(model_dir):
     stats = soak.run_soak(str(model_dir), seconds=60, requests=200, clients=32)
     soak.report(stats)
     problems = soak.check(stats, reference)
-    assert [p for p in problems if not p.startswith("RSS")] == []
+    assert problems == []  # RSS included: within 5% between the first and last quarter after warm-up
     assert len(stats["done"]) >= 150 and stats["malformed"] > 0 and stats["disconnected"] > 0
     assert stats["preemptions"] > 0 and len(stats["greedy"]) > 0
-    if problems:  # the one open defect (issue 19): native memory still grows under this load
-        pytest.xfail(f"known, under investigation: {problems[0]} (no tensor or Python object leaks; "
-                     "native allocations, oneDNN's primitive cache suspected)")
+    assert len(stats["rss"]) >= 60  # the RSS check had samples to compare (every 0.5 s after warm-up)

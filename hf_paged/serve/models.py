@@ -1,0 +1,37 @@
+"""Models named on the command line: a local folder, a factory `module:callable`, or "default" (the
+embedded SmolLM2-135M-Instruct). Shared by `hf-paged serve` and the disaggregated engine's workers."""
+
+from __future__ import annotations
+
+import os
+
+# `--model default`: the package's embedded model, named by its factory (serve does not import defaults).
+DEFAULT_FACTORY = "hf_paged.defaults.models:load_default"
+
+
+class ModelFromPath:
+    """A picklable model factory for the command line: a local model folder, or a factory named
+    `module:callable` (called with `attn_implementation="hf_paged"`, returning a model or
+    `(model, tokenizer)`); "default" is the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, path: str):
+        self.path = DEFAULT_FACTORY if path == "default" else path
+
+    def __call__(self, tokenizer_only: bool = False):
+        if ":" in self.path and not os.path.isdir(self.path):
+            import importlib
+
+            module, _, name = self.path.partition(":")
+            built = getattr(importlib.import_module(module), name)(attn_implementation="hf_paged")
+            model, tokenizer = built if isinstance(built, tuple) else (built, None)
+            return (None, tokenizer) if tokenizer_only else (model, tokenizer)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError):  # a folder without a tokenizer: token-id prompts only
+            tokenizer = None
+        if tokenizer_only:
+            return None, tokenizer
+        return AutoModelForCausalLM.from_pretrained(self.path, attn_implementation="hf_paged",
+                                                    local_files_only=True), tokenizer
