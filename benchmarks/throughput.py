@@ -30,6 +30,16 @@ of step time at full batch).
     python benchmarks/throughput.py --num-requests 4 --max-prompt 40 --max-output 8 --skip hf_paged   # smoke
     python benchmarks/throughput.py --modes greedy --skip static_bs8,static_bs32,generate_batch --ceiling
 
+`--device cuda` (GPU; `scripts/gpu_check.sh` runs it) loads the model in `--dtype` (default bfloat16
+there), runs the static batches of `--static-bs`, transformers' `generate_batch` with its own
+choices on that machine (attention, CUDA graphs, cache size: its defaults), and hf_paged twice, with
+CUDA graphs for decode (`hf_paged`) and without (`hf_paged_eager`). The MFU peak is then a measured
+bf16/fp16 GEMM, and the targets are the GPU issue's (>= 5x static, >= 1.5x generate_batch). On a
+machine without CUDA, `--device cuda` says so and exits 0 (nothing measured). `--model
+random-smollm2` takes SmolLM2's shapes with random weights and random prompt ids (no download,
+no tokenizer): the same FLOPs and bytes, for a GPU machine without the weights. `--json PATH`
+writes every figure and verdict.
+
 `--kv-budget MiB` is the memory-bound view (issue 14): only hf_paged runs, once per `--kv-dtypes`
 (default float32,int8,fp8), each with `max_kv_bytes` = that budget, and it prints output tokens/s,
 preemptions and peak KV blocks per dtype, with each dtype's throughput against float32's.
@@ -43,6 +53,8 @@ perfect attention would reach.
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import logging
 import math
 import os
@@ -61,7 +73,7 @@ import hf_paged  # noqa: F401  (registers "hf_paged")
 from hf_paged.defaults.models import load_default
 from hf_paged.defaults.prompts import CHAT_PROMPTS
 
-METHODS = ("static_bs8", "static_bs32", "generate_batch", "hf_paged")
+METHODS = ("static_bs8", "static_bs32", "generate_batch", "hf_paged")  # the CPU defaults; see method_names
 MODES = ("greedy", "sampling")
 SAMPLING = dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
 TARGET_SAMPLING_VS_GREEDY = 0.95
@@ -69,6 +81,22 @@ TARGET_SAMPLER_SHARE = 0.03
 TARGET_VS_STATIC = 2.0
 TARGET_VS_GENERATE_BATCH = 3.0
 TARGET_MFU = 0.55  # issue 13 (was 0.35)
+# On a GPU (issue 20): hf_paged's output tokens/s against stock static generate and generate_batch.
+TARGET_GPU_VS_STATIC = 5.0
+TARGET_GPU_VS_GENERATE_BATCH = 1.5
+
+
+def method_names(args) -> list[str]:
+    """The methods this run can choose from: a static batch per `--static-bs`, generate_batch, hf_paged
+    and, on CUDA, hf_paged_eager (hf_paged without CUDA graphs)."""
+    names = [f"static_bs{b}" for b in args.static_bs] + ["generate_batch", "hf_paged"]
+    return names + (["hf_paged_eager"] if args.device == "cuda" else [])
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work, so that a wall-clock reading covers it."""
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 @dataclass
@@ -99,6 +127,9 @@ def build_workload(tokenizer, args) -> list[Request]:
     truncated to the drawn length. Pieces are tokenized separately and concatenated.
     """
     rng = random.Random(args.seed)
+    if tokenizer is None:  # --model random-smollm2: ids drawn from the vocabulary (none special)
+        return [Request([rng.randrange(100, args.vocab_size) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+                        rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
     pieces = [tokenizer(p + "\n", add_special_tokens=False).input_ids for p in CHAT_PROMPTS]
     special = set(tokenizer.all_special_ids)
     requests = []
@@ -117,7 +148,45 @@ def build_workload(tokenizer, args) -> list[Request]:
     return requests
 
 
+def random_smollm2(dtype: torch.dtype, device: str):
+    """SmolLM2-135M's architecture (the bundled config) with random weights: the same FLOPs and bytes
+    per token as the real model, for a machine that lacks its weights. Its outputs are meaningless, so
+    every request runs exactly its n tokens (min_new_tokens), as in the real-model runs."""
+    from importlib import resources
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**json.loads(resources.files("hf_paged.planner").joinpath(
+        "reference_configs/smollm2-135m.json").read_text()))
+    config.pad_token_id = 0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    return model.to(device)
+
+
 # ------------------------------------------------------------------------------------------------ FLOPs
+
+
+def measure_gemm_cuda(dtype: torch.dtype, n: int = 8192, repeats: int = 10) -> tuple[float, float]:
+    """Median FLOP/s of an n^3 GEMM and of a model-shaped [8192 tokens x 576] @ [576 x 1536] one in
+    `dtype` on the GPU, timed with CUDA events after warm-up."""
+
+    def bench(m, k, nn):
+        a = torch.randn(m, k, device="cuda", dtype=dtype)
+        b = torch.randn(k, nn, device="cuda", dtype=dtype)
+        for _ in range(3):
+            a @ b
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            a @ b
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return 2 * m * k * nn / statistics.median(times)
+
+    return bench(n, n, n), bench(8192, 576, 1536)
 
 
 def measure_gemm(n: int = 2048, repeats: int = 7) -> tuple[float, float]:
@@ -180,6 +249,7 @@ def model_flops(model, requests: list[Request]) -> float:
 def run_static(model, requests: list[Request], batch_size: int, pad_id: int, sampling: bool) -> Result:
     """Stock generate, consecutive static batches, left padding, each batch runs its max n."""
     model.set_attn_implementation("sdpa")
+    device = model.device
     res = Result(f"static_bs{batch_size}", outputs=[None] * len(requests), padded_tokens=0)
 
     def one_batch(chunk):
@@ -189,19 +259,21 @@ def run_static(model, requests: list[Request], batch_size: int, pad_id: int, sam
         for k, r in enumerate(chunk):
             input_ids[k, width - len(r.prompt):] = torch.tensor(r.prompt)
             mask[k, width - len(r.prompt):] = 1
-        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=steps,
+                             min_new_tokens=steps,
                              pad_token_id=pad_id, **(dict(do_sample=True, **SAMPLING) if sampling else
                                                      dict(do_sample=False)))
         return out[:, width:], len(chunk) * (width + steps)
 
     one_batch([Request(requests[0].prompt[:8], 2)] * 2)  # warm-up
+    sync(device.type)
     start = time.perf_counter()
     for b in range(0, len(requests), batch_size):
         chunk = requests[b:b + batch_size]
         gen, padded = one_batch(chunk)
         res.padded_tokens += padded
         for k, r in enumerate(chunk):
-            res.outputs[b + k] = gen[k, :r.n].tolist()
+            res.outputs[b + k] = gen[k, :r.n].tolist()  # reads the tokens: the batch's GPU work is done
     res.wall = time.perf_counter() - start
     return res
 
@@ -235,16 +307,24 @@ def run_generate_batch(model, requests: list[Request], args, pad_id: int, sampli
     max_n = max(r.n for r in requests)
     page = args.gb_page_size
     num_blocks = sum(math.ceil((len(r.prompt) + (max_n if args.gb_uniform else r.n)) / page) + 1 for r in requests)
-    cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,
-                                         max_batch_tokens=args.max_num_batched_tokens,
-                                         max_requests_per_batch=args.max_num_seqs, auto_switch_to_flash=False)
+    if args.device == "cuda":
+        # On a GPU transformers picks its best: flash attention when installed, CUDA graphs, async
+        # batching and a cache sized from free memory (its defaults); only the batch limits are ours.
+        cb_config = ContinuousBatchingConfig(max_batch_tokens=args.max_num_batched_tokens,
+                                             max_requests_per_batch=args.max_num_seqs)
+    else:
+        cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=num_blocks,
+                                             max_batch_tokens=args.max_num_batched_tokens,
+                                             max_requests_per_batch=args.max_num_seqs, auto_switch_to_flash=False)
     eos = model.generation_config.eos_token_id
     eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
     gen_config = GenerationConfig(max_new_tokens=max_n, eos_token_id=-1, pad_token_id=pad_id,
                                   suppress_tokens=eos_ids or None,
                                   **(dict(do_sample=True, **SAMPLING) if sampling else dict(do_sample=False)))
     res.note = (f"attn={args.gb_attn} page_size={page} num_blocks={num_blocks} max_batch_tokens="
-                f"{args.max_num_batched_tokens} max_requests_per_batch={args.max_num_seqs}")
+                f"{args.max_num_batched_tokens} max_requests_per_batch={args.max_num_seqs}") if args.device != "cuda" \
+        else f"transformers' GPU defaults, max_batch_tokens={args.max_num_batched_tokens} max_requests_per_batch=" \
+             f"{args.max_num_seqs}"
 
     if args.gb_uniform:
         warm = [requests[0].prompt[:8]] * 2
@@ -265,6 +345,9 @@ def run_generate_batch(model, requests: list[Request], args, pad_id: int, sampli
                                              workload_hints=hints)
     manager.warmup()  # a no-op on CPU (no CUDA graphs / compile); creates the batch processor and its cache
     manager.start()
+    if args.device == "cuda":
+        res.note += f"; attention {model.config._attn_implementation}, cuda graphs " \
+                    f"{getattr(manager.continuous_batching_config, 'use_cuda_graph', '?')}"
 
     def run(reqs, prefix):
         ids = [manager.add_request(r.prompt, request_id=f"{prefix}{i}", max_new_tokens=r.n, eos_token_id=-1)
@@ -292,7 +375,7 @@ def run_generate_batch(model, requests: list[Request], args, pad_id: int, sampli
     return res
 
 
-def run_hf_paged(model, requests: list[Request], args, sampling: bool, **engine_kwargs) -> Result:
+def run_hf_paged(model, requests: list[Request], args, sampling: bool, name: str = "hf_paged", **engine_kwargs) -> Result:
     """hf_paged's Engine on the same model object (attention switched to "hf_paged"), stepped by hand
     (what `generate` does) so that each step's profile is read from the engine's own timers."""
     from hf_paged import Engine, SamplingParams
@@ -309,6 +392,7 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool, **engine_
                     [SamplingParams(max_new_tokens=2, min_new_tokens=2, **extra)] * 2)  # warm-up
     engine.reset_metrics()
     steps = []  # (requests running in the step, step s, sampler s, forward s)
+    sync(args.device)
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt, p) for r, p in zip(requests, params)]
     finished = {}
@@ -325,7 +409,7 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool, **engine_
                       now["sampler_seconds"] - last["sampler_seconds"], now["forward_seconds"] - last["forward_seconds"]))
         last = now
     wall = time.perf_counter() - start
-    res = Result("hf_paged", wall=wall, outputs=[list(finished[i].token_ids) for i in ids])
+    res = Result(name, wall=wall, outputs=[list(finished[i].token_ids) for i in ids])
     full = [s for s in steps if s[0] >= args.max_num_seqs]
 
     def shares(rows):
@@ -422,7 +506,8 @@ def main():
     parser.add_argument("--max-output", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--skip", default="", help=f"comma list of methods to skip, from {','.join(METHODS)}")
+    parser.add_argument("--skip", default="", help=f"comma list of methods to skip, from {','.join(METHODS)} "
+                                                   "(static_bs<N> per --static-bs; hf_paged_eager on cuda)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="hf_paged (and generate_batch) batch rows")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="hf_paged (and generate_batch) tokens per step")
@@ -438,13 +523,37 @@ def main():
     parser.add_argument("--kv-dtypes", default="float32,int8,fp8", help="KV dtypes for --kv-budget")
     parser.add_argument("--ceiling", action="store_true",
                         help="also bound the MFU a perfect decode-attention kernel would reach (see above)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="model dtype (auto: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--model", default="default",
+                        help="'default' (SmolLM2-135M-Instruct) or 'random-smollm2' (its shapes, random weights)")
+    parser.add_argument("--static-bs", default="8,32", help="comma list of stock static batch sizes")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures and verdicts here")
     args = parser.parse_args()
+    try:
+        args.static_bs = [int(b) for b in args.static_bs.split(",") if b.strip()]
+    except ValueError:
+        parser.error("--static-bs takes a comma list of batch sizes")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("throughput.py --device cuda: no CUDA GPU here (torch.cuda.is_available() is False); nothing measured.")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"skipped": "no CUDA GPU"}, f)
+        return
+    if args.device == "cuda" and (args.ceiling or args.kv_budget is not None):
+        parser.error("--ceiling and --kv-budget are CPU views; run them without --device cuda")
+    if args.model not in ("default", "random-smollm2"):
+        parser.error("--model takes 'default' or 'random-smollm2'")
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if args.device == "cuda" else torch.float32)
+    methods = method_names(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
         parser.error(f"--modes takes a comma list from {MODES}")
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    if skip - set(METHODS):
-        parser.error(f"unknown methods in --skip: {sorted(skip - set(METHODS))}; choose from {METHODS}")
+    if skip - set(methods):
+        parser.error(f"unknown methods in --skip: {sorted(skip - set(methods))}; choose from {methods}")
     # A smaller max than the default min (e.g. --max-output 8) lowers the min with it.
     args.min_prompt, args.min_output = min(args.min_prompt, args.max_prompt), min(args.min_output, args.max_output)
     if args.min_prompt < 1 or args.min_output < 1:
@@ -455,14 +564,22 @@ def main():
         transformers.logging.set_verbosity_error()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 
-    model, tokenizer = load_default(dtype=torch.float32, attn_implementation="sdpa")
-    pad_id = tokenizer.pad_token_id
+    if args.model == "random-smollm2":
+        model, tokenizer = random_smollm2(dtype, args.device), None
+        pad_id = 0
+    else:
+        model, tokenizer = load_default(dtype=dtype, attn_implementation="sdpa",
+                                        device=args.device if args.device == "cuda" else None)
+        pad_id = tokenizer.pad_token_id
+    args.vocab_size = model.config.vocab_size
     requests = build_workload(tokenizer, args)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     useful = sum(r.n for r in requests)
     real_tokens = prompt_tokens + useful
     flops = model_flops(model, requests)
 
+    print(f"model: {args.model} {dtype} on {args.device}" + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda"
+                                                                else ""))
     print(f"env: torch={torch.__version__} transformers={transformers.__version__} python={platform.python_version()} "
           f"torch threads={torch.get_num_threads()} cpu count={os.cpu_count()} "
           f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} cpu={platform.processor() or platform.machine()}")
@@ -470,23 +587,27 @@ def main():
           f"(sum {prompt_tokens}, mean {prompt_tokens / len(requests):.0f}), output {args.min_output}-"
           f"{args.max_output} (sum {useful}, mean {useful / len(requests):.0f}); model FLOPs of the useful work "
           f"{flops / 1e12:.3f} TFLOP")
-    square, shaped = measure_gemm()
-    print(f"measured fp32 GEMM (before): 2048^3 square {square / 1e9:.1f} GFLOP/s; "
-          f"[2048x576]@[576x1536] {shaped / 1e9:.1f} GFLOP/s", flush=True)
+    gemm = (lambda: measure_gemm_cuda(dtype)) if args.device == "cuda" else measure_gemm
+    gemm_name = (f"{str(dtype).split('.')[-1]} GEMM 8192^3 square", "[8192x576]@[576x1536]") if args.device == "cuda" \
+        else ("fp32 GEMM 2048^3 square", "[2048x576]@[576x1536]")
+    square, shaped = gemm()
+    print(f"measured {gemm_name[0]} (before): {square / 1e9:.1f} GFLOP/s; "
+          f"{gemm_name[1]} {shaped / 1e9:.1f} GFLOP/s", flush=True)
 
     if args.kv_budget is not None:
         kv_budget_runs(model, requests, args)
         return
 
     results: dict[tuple[str, str], Result] = {}
-    runners = {
-        "static_bs8": lambda s: run_static(model, requests, 8, pad_id, s),
-        "static_bs32": lambda s: run_static(model, requests, 32, pad_id, s),
-        "generate_batch": lambda s: run_generate_batch(model, requests, args, pad_id, s),
-        "hf_paged": lambda s: run_hf_paged(model, requests, args, s),
-    }
+    runners = {f"static_bs{b}": (lambda s, b=b: run_static(model, requests, b, pad_id, s)) for b in args.static_bs}
+    runners["generate_batch"] = lambda s: run_generate_batch(model, requests, args, pad_id, s)
+    # On CUDA hf_paged runs twice: with CUDA graphs for decode steps (its default there) and without.
+    graphs = {"cuda_graphs": True} if args.device == "cuda" else {}
+    runners["hf_paged"] = lambda s: run_hf_paged(model, requests, args, s, **graphs)
+    runners["hf_paged_eager"] = lambda s: run_hf_paged(model, requests, args, s, name="hf_paged_eager",
+                                                       cuda_graphs=False)
     for mode in modes:
-        for name in METHODS:
+        for name in methods:
             if name in skip:
                 continue
             print(f"running {name} ({mode}) ...", flush=True)
@@ -500,16 +621,26 @@ def main():
                     traceback.print_exc()
             results[(mode, name)] = res
             print(f"  {name} ({mode}): " + (f"SKIPPED ({res.error})" if res.error else f"{res.wall:.2f} s"), flush=True)
+            if args.json:  # what is done so far survives a run stopped at its time limit
+                with open(args.json, "w") as f:
+                    json.dump({"partial": True, "device": args.device, "model": args.model, "dtype": str(dtype),
+                               "useful_tokens": useful,
+                               "methods": {f"{m}/{n}": ({"error": r.error} if r.error else
+                                                        {"wall_s": r.wall, "tokens_per_s": useful / r.wall})
+                                           for (m, n), r in results.items()}}, f, indent=1)
             model.set_attn_implementation("sdpa")
+            if args.device == "cuda":  # each method's cache goes before the next one sizes its own
+                gc.collect()
+                torch.cuda.empty_cache()
 
     # Measured again after the methods; the higher square-GEMM median is the peak for MFU (a busy or
     # throttling machine can only make a measurement lower).
-    square2, shaped2 = measure_gemm()
-    print(f"measured fp32 GEMM (after):  2048^3 square {square2 / 1e9:.1f} GFLOP/s; "
-          f"[2048x576]@[576x1536] {shaped2 / 1e9:.1f} GFLOP/s")
+    square2, shaped2 = gemm()
+    print(f"measured {gemm_name[0]} (after): {square2 / 1e9:.1f} GFLOP/s; "
+          f"{gemm_name[1]} {shaped2 / 1e9:.1f} GFLOP/s")
     square = max(square, square2)
-    print(f"MFU peak: {square / 1e9:.1f} GFLOP/s (fp32 2048^3, the faster of MKL and oneDNN, best of before/after "
-          "medians)")
+    print(f"MFU peak: {square / 1e9:.1f} GFLOP/s ({gemm_name[0]}"
+          + (", the faster of MKL and oneDNN" if args.device == "cpu" else "") + ", best of before/after medians)")
 
     if args.ceiling:
         model.set_attn_implementation("hf_paged")
@@ -561,17 +692,40 @@ def main():
         good = value <= target if below else value >= target
         return f"{value:.2f}x ({'PASS' if good else 'MISS'} {'<=' if below else '>='} {target}x)"
 
-    def ratio_to(mode, name):
-        paged = tps.get((mode, "hf_paged"))
+    def ratio_to(mode, name, ours="hf_paged"):
+        paged = tps.get((mode, ours))
         return paged / tps[(mode, name)] if paged and (mode, name) in tps else None
 
+    vs_static, vs_gb = (TARGET_GPU_VS_STATIC, TARGET_GPU_VS_GENERATE_BATCH) if args.device == "cuda" else (
+        TARGET_VS_STATIC, TARGET_VS_GENERATE_BATCH)
+    verdicts = {}
     for mode in modes:
-        res = ok.get((mode, "hf_paged"))
-        mfu = flops / res.wall / square if res is not None else None
-        mfu_s = "n/a" if mfu is None else f"{mfu:.1%} ({'PASS' if mfu >= TARGET_MFU else 'MISS'} >= {TARGET_MFU:.0%})"
-        print(f"\nSUMMARY ({mode}) hf_paged vs static bs8 {verdict(ratio_to(mode, 'static_bs8'), TARGET_VS_STATIC)}, "
-              f"vs static bs32 {verdict(ratio_to(mode, 'static_bs32'), TARGET_VS_STATIC)}, "
-              f"vs generate_batch {verdict(ratio_to(mode, 'generate_batch'), TARGET_VS_GENERATE_BATCH)}, MFU {mfu_s}")
+        for ours in [n for n in ("hf_paged", "hf_paged_eager") if n in methods]:
+            res = ok.get((mode, ours))
+            mfu = flops / res.wall / square if res is not None else None
+            mfu_s = "n/a" if mfu is None else f"{mfu:.1%}" + (
+                f" ({'PASS' if mfu >= TARGET_MFU else 'MISS'} >= {TARGET_MFU:.0%})" if args.device == "cpu" else "")
+            parts = [f"vs static bs{b} {verdict(ratio_to(mode, f'static_bs{b}', ours), vs_static)}" for b in args.static_bs]
+            parts.append(f"vs generate_batch {verdict(ratio_to(mode, 'generate_batch', ours), vs_gb)}")
+            print(f"\nSUMMARY ({mode}) {ours} " + ", ".join(parts) + f", MFU {mfu_s}")
+            verdicts[f"{mode}/{ours}"] = {
+                "tokens_per_s": tps.get((mode, ours)), "mfu": mfu,
+                **{f"vs_static_bs{b}": ratio_to(mode, f"static_bs{b}", ours) for b in args.static_bs},
+                "vs_generate_batch": ratio_to(mode, "generate_batch", ours),
+                "target_vs_static": vs_static, "target_vs_generate_batch": vs_gb}
+    if args.json:
+        record = {
+            "device": args.device, "device_name": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "model": args.model, "dtype": str(dtype), "num_requests": len(requests), "useful_tokens": useful,
+            "prompt_tokens": prompt_tokens, "gemm_peak_flops": square, "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "methods": {f"{mode}/{name}": ({"error": res.error} if res.error else
+                                          {"wall_s": res.wall, "tokens_per_s": useful / res.wall, "note": res.note})
+                        for (mode, name), res in results.items()},
+            "verdicts": verdicts,
+        }
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1, default=str)
     if ("sampling", "hf_paged") in ok:
         greedy = tps.get(("greedy", "hf_paged"))
         share = ok[("sampling", "hf_paged")].profile["full"]["sampler"]

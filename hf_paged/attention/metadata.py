@@ -4,7 +4,8 @@ transformers hands attention a padded batch `[batch, heads, q_len, head_dim]`; t
 packed, variable-length tokens. The metadata carries both views: the packed varlen description
 (`cu_seqlens_q`, `seq_lens`, `block_tables`, `slot_mapping`) and `token_index`, which says where each
 real (non-padding) token sits in the padded batch. Built on the host from plain lists (the block
-manager's answers); it decides nothing about which block holds what.
+manager's answers) and copied to the device asynchronously (`host_to_device`), so building a step
+never waits for the device; it decides nothing about which block holds what.
 
     padded batch (q_len=4)         packed real tokens           token_index
     row 0: [pad pad  a0  a1]  -->  [a0 a1 | b0 b1 b2 b3 | c0]   [2 3 | 4 5 6 7 | 11]
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .torch_paged import AttentionPlan
@@ -91,6 +93,16 @@ class StepMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
+    def reset_forward_state(self) -> None:
+        """Forget what one forward recorded on this object (layers done, quantised layers' scales, the
+        per-step plans and gather indices), so that a step whose tensors are rewritten in place (a
+        CUDA graph's static inputs) can run forward again."""
+        self.active_layer = None
+        self.layers_done.clear()
+        self.kv_scales.clear()
+        self.dense_index.clear()
+        self._plans.clear()
+
     def group_of(self, layer_idx: int | None) -> int:
         """The KV group of layer `layer_idx` (0 for a one-group step or an unknown layer)."""
         if self.layer_group is None or layer_idx is None:
@@ -127,23 +139,46 @@ class StepMetadata:
         return out.view(self.batch_size, self.q_len, *packed.shape[1:])
 
 
-def _table_tensor(block_tables: list[list[int]]) -> torch.Tensor:
-    """[num_seqs, max_blocks] int32, 0 past each row's blocks. A released (NULL_BLOCK < 0) entry reads
-    as the row's first held block: K/V of its own sequence, which the window masks out, never another
-    request's (whose NaN, times a zero weight, would still be NaN)."""
-    width = max(max((len(t) for t in block_tables), default=0), 1)
-    rows = []
-    for t in block_tables:
+def host_to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """`data` (a list, nested lists or a numpy array) as a `dtype` tensor on `device`, without a host sync.
+
+    On CUDA the values are staged in pinned (page-locked) memory and copied asynchronously: the copy is
+    ordered on the current stream before every kernel that reads the result, and torch's caching host
+    allocator keeps the staging memory until the copy has run. A plain `torch.tensor(data, device=...)`
+    copies from pageable memory and blocks the host until the device has drained its queue, once per
+    tensor. Elsewhere the host tensor is returned as is (shared with a numpy `data`) or moved.
+    """
+    device = torch.device(device)
+    host = torch.as_tensor(data, dtype=dtype)
+    if device.type == "cpu":
+        return host
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def block_table_array(block_tables: list[list[int]], width: int | None = None) -> np.ndarray:
+    """[num_seqs, width] int32 (width: the longest table, at least 1, when None), 0 past each row's
+    blocks. A released (NULL_BLOCK < 0) entry reads as the row's first held block: K/V of its own
+    sequence, which the window masks out, never another request's (whose NaN, times a zero weight,
+    would still be NaN). Entries past `width` are dropped: a caller that narrows the table promises
+    that no position there is read (`seq_lens` fit in `width` blocks)."""
+    if width is None:
+        width = max(max((len(t) for t in block_tables), default=0), 1)
+    out = np.zeros((len(block_tables), width), dtype=np.int32)
+    for row, t in enumerate(block_tables):
         if t and t[0] < 0:
             held = next((b for b in t if b >= 0), 0)
             t = [held if b < 0 else b for b in t]
-        rows.append(t + [0] * (width - len(t)))
-    return torch.tensor(rows, dtype=torch.int32)
+        t = t[:width]
+        out[row, :len(t)] = t
+    return out
 
 
 def _varlen_fields(q_lens: list[int], slots, block_tables, seq_lens: list[int], device: torch.device,
                    group_slots=None, group_block_tables=None, layer_group=None, group_windows=None) -> dict:
-    """The per-sequence tensors every step has, one host-to-device copy each.
+    """The per-sequence tensors every step has, each one asynchronous host-to-device copy
+    (`host_to_device`): building a step never waits for the device.
 
     `slots` / `block_tables` describe one KV group; `group_slots` / `group_block_tables` (per group,
     per sequence) and `layer_group` replace them for a model with several."""
@@ -152,14 +187,14 @@ def _varlen_fields(q_lens: list[int], slots, block_tables, seq_lens: list[int], 
         cu.append(cu[-1] + n)
     if group_slots is None:
         group_slots, group_block_tables = [slots], [block_tables]
-    tables = tuple(_table_tensor(t).to(device) for t in group_block_tables)
+    tables = tuple(host_to_device(block_table_array(t), torch.int32, device) for t in group_block_tables)
     flat = [[s for row in g for s in row] for g in group_slots]
-    mappings = tuple(torch.tensor(f, dtype=torch.long).to(device) for f in flat)
+    mappings = tuple(host_to_device(f, torch.long, device) for f in flat)
     many = len(tables) > 1
     return dict(
         has_skipped_slots=min((min(f, default=0) for f in flat), default=0) < 0,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        cu_seqlens_q=host_to_device(cu, torch.int32, device),
+        seq_lens=host_to_device(seq_lens, torch.int32, device),
         block_tables=tables[0],
         slot_mapping=mappings[0],
         group_block_tables=tables if many else (),
@@ -200,12 +235,11 @@ def build_step_metadata(
     counts = [len(c) for c in real_cols]
     token_index = None
     if sum(counts) != batch_size * q_len:  # padding: say where the real tokens sit
-        token_index = torch.tensor(
-            [row * q_len + col for row, cols in enumerate(real_cols) for col in cols], dtype=torch.long
-        ).to(device)
+        token_index = host_to_device([row * q_len + col for row, cols in enumerate(real_cols) for col in cols],
+                                     torch.long, device)
     num_padding = None
     if mode == DENSE:
-        num_padding = torch.tensor([num_columns - n for n in seq_lens], dtype=torch.long).to(device)
+        num_padding = host_to_device([num_columns - n for n in seq_lens], torch.long, device)
     return StepMetadata(
         mode=mode,
         batch_size=batch_size,

@@ -40,6 +40,7 @@ from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerpr
 from ..hf.support import check_paged_attention_supported
 from ..spec_decode import ProposalRequest, make_proposer, verify_greedy
 from ..worker import Chunk, ModelRunner
+from ..worker.cuda_graphs import batch_size_buckets, check_cuda_graphs, max_seqlen_buckets
 from ..worker.sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, logprobs_of
 from ..worker.sampling import SamplingParams, SamplingState, draw_seed, sample_seed
 from .delivery import Inbox, RequestHandle, drain
@@ -143,6 +144,16 @@ class Engine:
         prompt_lookup_min, prompt_lookup_max: n-gram sizes the "ngram" proposer tries.
         eos_token_ids: end-of-sequence ids; default the model's generation config's (then its
             config's, then the tokenizer's).
+        cuda_graphs: replay decode steps (every request feeds one token: no prefill chunk, no
+            speculative verify) from CUDA graphs (`worker/cuda_graphs.py`). None (default): on for a
+            CUDA model with the Triton backend, off elsewhere; True where graphs cannot run is a
+            ValueError. Graphs are captured per (batch bucket, max_seqlen_k bucket) the first time a
+            step needs one; other steps run eagerly.
+        cuda_graph_batch_sizes: the batch buckets (default 1, 2, 4, ... and `max_num_seqs`); a decode
+            step of more sequences than the largest runs eagerly.
+        cuda_graph_max_seqlens: the max_seqlen_k buckets (default 256, 512, ... and the longest sequence
+            the pool and `max_model_len` allow); a step whose longest sequence exceeds the largest runs
+            eagerly.
     """
 
     def __init__(
@@ -169,6 +180,9 @@ class Engine:
         prompt_lookup_min: int = 1,
         prompt_lookup_max: int = 3,
         eos_token_ids: int | SequenceABC[int] | None = None,
+        cuda_graphs: bool | None = None,
+        cuda_graph_batch_sizes: SequenceABC[int] | None = None,
+        cuda_graph_max_seqlens: SequenceABC[int] | None = None,
     ):
         check_model_supported(model.config)
         check_paged_attention_supported(model.config)  # packed steps need attention over the blocks
@@ -198,6 +212,11 @@ class Engine:
         self.eos_token_ids = (model_eos_token_ids(model, tokenizer) if eos_token_ids is None
                               else as_token_id_list(eos_token_ids))
         self.runner = ModelRunner(model, self.cache)
+        longest = min(self.max_model_len, self.cache.pool.num_blocks * self.cache.block_size)
+        graph_buckets = (batch_size_buckets(max_num_seqs, cuda_graph_batch_sizes),
+                         max_seqlen_buckets(longest, cuda_graph_max_seqlens))
+        if check_cuda_graphs(cuda_graphs, model, self.device):
+            self.runner.enable_cuda_graphs(*graph_buckets)
         self.sampler = Sampler()
         self.proposer, self.num_speculative_tokens = make_proposer(
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
@@ -544,7 +563,9 @@ class Engine:
         """One step; returns the exception that undid it, if any."""
         try:
             began = time.perf_counter()
-            if self.scheduler.waiting:  # prefix-cache lookups happen only when admitting
+            # Prefix-cache lookups happen only when admitting, and nothing is admitted while every slot
+            # runs (the fingerprint reads a checksum from the device: no step pays for it in vain).
+            if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
                 self._note_weights()
             if self.proposer is not None:
                 self._propose()
@@ -627,20 +648,19 @@ class Engine:
             row += n
         if not plans:
             return
-        has_nan = torch.isnan(logits.amax(dim=-1)).tolist()  # max propagates NaN; one host sync per step
-        clean = [k for k, r in enumerate(rows) if not has_nan[index[k]]]
         result = None
         began = time.perf_counter()
         try:
-            if clean:
-                result = self.sampler(self.sampler.take_rows(logits, [index[k] for k in clean]),
-                                      [rows[k] for k in clean])
-                result = result.placed_at(clean, len(rows))
+            if rows:
+                # Every row at once, NaN rows included: the sampler flags them (their tokens are dropped
+                # below) and reads the flags back with the tokens, the step's one wait for the device.
+                result = self.sampler(self.sampler.take_rows(logits, index), rows, check_nan=True)
         except Exception:
             logger.warning("hf_paged: batched sampling failed; sampling each request alone", exc_info=True)
             self._metrics.num_failed_steps += 1
             result = None
         self._metrics.sampler_seconds += time.perf_counter() - began
+        has_nan = self._nan_rows(logits, index, result)
         now = time.perf_counter()
         for tracked, entry, start, n, first_row, num_rows in plans:
             try:
@@ -658,6 +678,20 @@ class Engine:
                 self._commit_sample(tracked, entry, out, now)
             except Exception as exc:
                 self._roll_back(tracked, entry, exc)
+
+    @staticmethod
+    def _nan_rows(logits: torch.Tensor, index: list[int], result: SamplerOutput | None) -> list[bool]:
+        """Per logits row, whether it holds a NaN: from the sampler's flags where it sampled the row; the
+        rows it did not sample (prompt logprobs) or every row, if it failed, cost one more read."""
+        has_nan = [False] * logits.shape[0]
+        if result is not None:
+            for k, row in enumerate(index):
+                has_nan[row] = result.is_nan[k]
+        unread = sorted(set(range(logits.shape[0])) - set(index)) if result is not None else range(logits.shape[0])
+        if unread:
+            for row, flag in zip(unread, torch.isnan(logits[list(unread)].amax(dim=-1)).tolist()):  # max propagates NaN
+                has_nan[row] = flag
+        return has_nan
 
     def _commit_sample(self, tracked: _Tracked, entry: ScheduledRequest, out: SamplerOutput, now: float) -> None:
         """Commit what the sampler drew for one entry: one token, or verified drafts plus one, or the

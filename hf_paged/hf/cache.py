@@ -46,7 +46,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention import dispatch
 from ..attention.interface import note_paged_step
 from ..attention.kv_quant import KVQuant, KVScales
-from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata
+from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata, host_to_device
 from ..attention.torch_paged import Workspace, gather_dense
 from ..config import PagedCacheConfig, kv_bytes_per_token_layer
 from ..core import BlockManager, BlockPool, KVSequence
@@ -541,7 +541,12 @@ class PagedCache(Cache):
         groups = range(self.manager.num_groups)
         return dict(group_slots=[[row[g] for row in group_slots] for g in groups],
                     group_block_tables=[[seq.block_tables[g] for seq in seqs] for g in groups],
-                    layer_group=self.layout.layer_group or None, group_windows=self.manager.windows)
+                    **self.group_layout())
+
+    def group_layout(self) -> dict:
+        """What every step's metadata says about the KV groups, whatever the sequences: each layer's
+        group (`layer_group`, None for one group) and each group's kept window (`group_windows`)."""
+        return dict(layer_group=self.layout.layer_group or None, group_windows=self.manager.windows)
 
     def slot_owner(self, slot: int) -> "PagedLayer | None":
         """An initialised layer holding storage slot `slot`'s tensors, if any."""
@@ -607,10 +612,12 @@ class PagedCache(Cache):
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long)
+        indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one asynchronous copy per device
         for layer in self._slot_owners():  # a block's bytes in every slot, whichever group holds it
-            layer.copy_blocks(src, dst)
+            if layer.device not in indices:
+                indices[layer.device] = (host_to_device([s for s, _ in copies], torch.long, layer.device),
+                                         host_to_device([d for _, d in copies], torch.long, layer.device))
+            layer.copy_blocks(*indices[layer.device])
 
     # ------------------------------------------------------------------ sequences
     def _new_sequence(self) -> KVSequence:

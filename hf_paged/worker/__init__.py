@@ -6,6 +6,8 @@
   incrementally kept penalty and n-gram state) and the counter-based random numbers.
 * `sampler.py`: the batched `Sampler`: every row of a step processed and sampled together, with
   logprobs, scores and raw logits on request.
+* `cuda_graphs.py`: `DecodeGraphs`, decode steps captured per (batch bucket, max_seqlen_k bucket)
+  and replayed from static input buffers (on CUDA with the Triton backend; `Engine(cuda_graphs=)`).
 * `cpu_caches.py`: caps on oneDNN's shape-keyed primitive caches, so a long-running process's
   memory stays flat as step shapes vary.
 

@@ -5,6 +5,11 @@ one per sequence: the tokens it feeds, their slots, and how many trailing positi
 transformers sees a single row `[1, num_tokens]` with explicit positions; the attention layers see
 one `StepMetadata` (built here) that tells the sequences apart.
 
+Decode steps (every sequence feeds one token and samples it) replay a CUDA graph when the runner
+has them (`enable_cuda_graphs`, see `cuda_graphs.py`); every other step, and every step without
+graphs, runs eagerly. Either way the step's inputs reach the device through asynchronous copies:
+nothing here waits for the device.
+
 Owns the forward and its tensors (ids, positions, the logits index); it does not choose what runs
 (the scheduler does) or what is sampled (`sampling.py`).
 """
@@ -12,15 +17,20 @@ Owns the forward and its tensors (ids, positions, the logits index); it does not
 from __future__ import annotations
 
 import inspect
+import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..attention.metadata import build_packed_metadata
+from ..attention.metadata import StepMetadata, build_packed_metadata, host_to_device
 from ..core import KVSequence
 from ..hf import PagedCache, decoder_of
 from ..hf.linear import enable as enable_fast_linear, fast_linear
+from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -53,13 +63,24 @@ class ModelRunner:
         params = inspect.signature(decoder_of(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         enable_fast_linear(model)  # inert outside this runner's forwards (see hf.linear)
-        # Wall seconds of the latest forward: building its inputs and metadata, and the model call.
+        self.graphs: DecodeGraphs | None = None  # decode steps replay these when set
+        # Wall seconds of the latest forward: building its inputs and metadata, and the model call
+        # (for a replay: filling the static inputs, and the replay, plus any capture it needed).
         self.last_metadata_seconds = 0.0
         self.last_model_seconds = 0.0
 
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_seqlens: Sequence[int], capture=None) -> DecodeGraphs:
+        """Replay decode steps from graphs captured for these buckets (`cuda_graphs.batch_size_buckets`,
+        `cuda_graphs.max_seqlen_buckets`); `capture` replaces `torch.cuda.CUDAGraph` capture (the
+        tests' `EagerGraphCapture`)."""
+        self.graphs = DecodeGraphs(self._graph_forward, self.model, self.cache, self.device, batch_sizes,
+                                   max_seqlens, capture)
+        return self.graphs
+
     def forward(self, chunks: list[Chunk], copies: list[tuple[int, int]],
                 new_full_blocks: list[tuple[int, int]] = ()) -> torch.Tensor:
-        """Returns [sum(num_logits), vocab] logits, chunk by chunk in order.
+        """Returns [sum(num_logits), vocab] logits, chunk by chunk in order (a replayed step's are a
+        view of its graph's output: read them before the next forward).
 
         Args:
             new_full_blocks: blocks this step fills (`append_tokens(..., register=False)`); they are
@@ -67,6 +88,15 @@ class ModelRunner:
 
         On an exception the cache forgets the step and it propagates; nothing was published."""
         began = time.perf_counter()
+        key = None
+        if self.graphs is not None and not copies and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
+            key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
+        if key is not None:
+            logits = self._replay(key, chunks, began)
+            if logits is not None:
+                self.cache.manager.commit_full_blocks(new_full_blocks)
+                return logits
+            began = time.perf_counter()  # the capture failed and graphs are off: this step runs eagerly
         input_ids, positions, keep = [], [], []
         for chunk in chunks:
             input_ids.extend(chunk.token_ids)
@@ -80,20 +110,60 @@ class ModelRunner:
             device=self.device,
             **self.cache.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks]),
         )
-        ids = torch.tensor([input_ids], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        keep_index = torch.tensor(keep, dtype=torch.long, device=self.device)
+        ids = host_to_device([input_ids], torch.long, self.device)  # [1, num_tokens]
+        pos = host_to_device([positions], torch.long, self.device)  # [1, num_tokens]
+        keep_index = host_to_device(keep, torch.long, self.device)  # [sum(num_logits)]
         self.cache.begin_step(meta)
         called = time.perf_counter()
         self.last_metadata_seconds = called - began
         try:
-            with torch.inference_mode(), fast_linear():
-                out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
-                                 logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
+            logits = self._call_model(ids, pos, keep_index, meta)
         except BaseException:
             self.cache.abandon_step(reset_prefix_cache=False)  # this step published no block
             self.cache.pool.discard_staged()
             raise
         self.cache.manager.commit_full_blocks(new_full_blocks)
         self.last_model_seconds = time.perf_counter() - called
+        return logits
+
+    def _replay(self, key: GraphKey, chunks: list[Chunk], began: float) -> torch.Tensor | None:
+        """A decode step on its graph; None if capturing it failed (graphs are then off for good)."""
+        fields = self.cache.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks])
+        batch = DecodeBatch(
+            token_ids=[c.token_ids[0] for c in chunks],
+            positions=[c.start for c in chunks],
+            seq_lens=[c.seq.num_tokens for c in chunks],
+            group_slots=[[slots[0] for slots in g] for g in fields["group_slots"]],  # one token per sequence
+            group_block_tables=fields["group_block_tables"],
+        )
+        called = time.perf_counter()
+        self.last_metadata_seconds = called - began
+        try:
+            logits = self.graphs.replay(key, batch)
+        except GraphCaptureError:
+            logger.warning("hf_paged: capturing a CUDA graph failed; decode steps run eagerly from now on",
+                           exc_info=True)
+            self.graphs = None
+            self.cache.abandon_step(reset_prefix_cache=False)  # a failed warm-up leaves its step unfinished
+            return None
+        except BaseException:
+            self.cache.abandon_step(reset_prefix_cache=False)
+            self.cache.pool.discard_staged()
+            raise
+        self.last_model_seconds = time.perf_counter() - called
+        return logits
+
+    def _call_model(self, ids: torch.Tensor, pos: torch.Tensor, keep_index: torch.Tensor,
+                    meta: StepMetadata) -> torch.Tensor:  # [len(keep_index), vocab]
+        with torch.inference_mode(), fast_linear():
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
+                             logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
         return out.logits[0]
+
+    def _graph_forward(self, ids: torch.Tensor, pos: torch.Tensor, keep_index: torch.Tensor,
+                       meta: StepMetadata) -> torch.Tensor:  # [len(keep_index), vocab]
+        """What a decode graph captures: the step begins inside, so that a replay that re-runs it (the
+        tests' stand-in) sees a fresh step; a real graph runs only its kernels."""
+        self.cache.begin_step(meta)
+        meta.reset_forward_state()  # after: the cache checks that the step it ran last (maybe this one) finished
+        return self._call_model(ids, pos, keep_index, meta)

@@ -17,6 +17,12 @@ rows together, in transformers' order:
 Rows that share settings cost no per-row tensor work: per-row values travel as small tensors, and the
 only per-row Python is gathering each request's (incrementally kept) penalty arrays and ban lists.
 
+The host waits for the device once per call, to read the tokens (with each row's NaN flag when asked):
+per-row values go to the device through asynchronous copies (`host_to_device`), every token lands in
+one device tensor, and nothing else is read back, except where the result itself is host data
+(logprobs) or a rule needs a value to decide (a tie at the k-th value of top-k, whether the most
+likely tokens already decide top-p's nucleus).
+
 Owns the maths from logits to tokens; it knows nothing of blocks, caches or scheduling.
 """
 
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..attention.metadata import host_to_device
 from ..attention.torch_paged import Workspace
 from .sampling import SamplingState, uniform
 
@@ -71,25 +78,21 @@ class TokenLogprobs:
 
 @dataclass
 class SamplerOutput:
-    """Per row: the token, and what its request asked for (None where it did not)."""
+    """Per row: the token, and what its request asked for (None where it did not).
+
+    `is_nan` (when the call checked): whether the row's raw logits held a NaN; its token is then
+    meaningless (drawn from garbage, but a valid id) and the caller must not commit it."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     scores: list[torch.Tensor | None]  # [vocab] processed logits (-inf outside the kept tokens)
     logits: list[torch.Tensor | None]  # [vocab] raw logits
+    is_nan: list[bool] | None = None
 
     def slice(self, start: int, count: int) -> "SamplerOutput":
         end = start + count
         return SamplerOutput(self.token_ids[start:end], self.logprobs[start:end], self.scores[start:end],
-                             self.logits[start:end])
-
-    def placed_at(self, positions: list[int], total: int) -> "SamplerOutput":
-        """These rows at `positions` of `total` rows (the others empty: rows that were not sampled)."""
-        out = SamplerOutput([-1] * total, [None] * total, [None] * total, [None] * total)
-        for j, p in enumerate(positions):
-            out.token_ids[p], out.logprobs[p] = self.token_ids[j], self.logprobs[j]
-            out.scores[p], out.logits[p] = self.scores[j], self.logits[j]
-        return out
+                             self.logits[start:end], None if self.is_nan is None else self.is_nan[start:end])
 
 
 @dataclass
@@ -114,44 +117,60 @@ class Sampler:
         reused from step to step: a fresh multi-megabyte CPU tensor each step page-faults on first
         touch, which at batch 64 cost several times the copy. Valid until the next call."""
         out = self._workspace.get("logits", (len(index), logits.shape[-1]), logits.dtype, logits.device)
-        return torch.index_select(logits, 0, torch.tensor(index, device=logits.device), out=out)
+        return torch.index_select(logits, 0, host_to_device(index, torch.long, logits.device), out=out)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], with_outputs: bool = True) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow], with_outputs: bool = True,
+                 check_nan: bool = False) -> SamplerOutput:
         """Args:
             logits: [len(rows), vocab] raw logits, row i for rows[i]. Overwritten (fp32 logits are
                 processed in place; pass a copy to keep them).
             with_outputs: compute the logprobs, scores and logits the rows' params ask for (a draft
                 model's proposals need only tokens).
+            check_nan: flag the rows whose raw logits hold a NaN (`SamplerOutput.is_nan`), read back
+                with the tokens in the same device-to-host copy.
         """
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"need one logits row per sample row, got {tuple(logits.shape)} for {len(rows)} rows")
         for r in rows:
             r.state.sync()
         logits = logits.float()
+        device = logits.device
         params = [r.state.params for r in rows]
         ks = [p.logprobs for p in params]
         raw_rows = [i for i, p in enumerate(params) if with_outputs and (p.output_logits or _logprobs_in(p, "raw"))]
-        raw = logits[raw_rows].clone() if raw_rows else None
+        raw = logits.index_select(0, _index(raw_rows, device)) if raw_rows else None
+        # max propagates NaN. A NaN row goes through the processors and the draw like any other (every
+        # step of it is row-local and yields a valid id), and the caller drops its token.
+        nan_rows = torch.isnan(logits.amax(dim=-1)) if check_nan else None  # [num_rows] bool
         self.process(logits, rows)
         num_rows = len(rows)
-        tokens = [0] * num_rows
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        blocks: list[_Block] = []
-        if greedy:
-            g = logits[greedy] if len(greedy) < num_rows else logits
-            for i, t in zip(greedy, g.argmax(dim=-1).tolist()):
-                tokens[i] = t
-            if with_outputs and any(params[i].output_scores or _logprobs_in(params[i], "processed") for i in greedy):
-                blocks.append(_Block(greedy, None, g))
         sampling = [i for i, p in enumerate(params) if not p.is_greedy]
-        if sampling:
+        blocks: list[_Block] = []
+        if not sampling:
+            token_ids = logits.argmax(dim=-1)  # [num_rows] int64
+            if with_outputs and any(params[i].output_scores or _logprobs_in(params[i], "processed") for i in greedy):
+                blocks.append(_Block(greedy, None, logits))
+        else:
+            token_ids = torch.zeros(num_rows, dtype=torch.long, device=device)
+            if greedy:
+                g = logits.index_select(0, _index(greedy, device))
+                token_ids.index_copy_(0, _index(greedy, device), g.argmax(dim=-1))
+                if with_outputs and any(params[i].output_scores or _logprobs_in(params[i], "processed")
+                                        for i in greedy):
+                    blocks.append(_Block(greedy, None, g))
             for block in self.warp(logits, rows, sampling):
-                for i, t in zip(block.rows, _draw(block, [rows[i].position for i in block.rows],
-                                                  [rows[i].state.seed for i in block.rows])):
-                    tokens[i] = t
+                drawn = _draw(block, [rows[i].position for i in block.rows], [rows[i].state.seed for i in block.rows])
+                token_ids.index_copy_(0, _index(block.rows, device), drawn)
                 if with_outputs:
                     blocks.append(block)
-        out = SamplerOutput(tokens, [None] * num_rows, [None] * num_rows, [None] * num_rows)
+        # The call's one wait for the device: the tokens, and the NaN flags in the same copy.
+        if nan_rows is None:
+            tokens, is_nan = token_ids.tolist(), None
+        else:
+            tokens, flags = torch.stack((token_ids, nan_rows.long())).tolist()
+            is_nan = [bool(f) for f in flags]
+        out = SamplerOutput(tokens, [None] * num_rows, [None] * num_rows, [None] * num_rows, is_nan)
         if raw is not None:
             for j, i in enumerate(raw_rows):
                 if params[i].output_logits:
@@ -202,18 +221,24 @@ class Sampler:
             if r.state.masks_end_tokens(len(r.extra)):
                 ban_rows.extend([i] * len(r.state.end_token_ids))
                 ban_ids.extend(r.state.end_token_ids)
+        # Indices are filtered on the host, before the copy: a boolean mask on the device would have
+        # a data-dependent size, which the host must wait to learn.
         if bias_rows:
-            row_idx, tok_idx, vals = _tensor(bias_rows, device), _tensor(bias_ids, device), _tensor(bias_vals, device)
+            row_idx, tok_idx, vals = np.concatenate(bias_rows), np.concatenate(bias_ids), np.concatenate(bias_vals)
             keep = tok_idx < vocab  # a draft model's vocabulary may be smaller than the target's
-            logits.index_put_((row_idx[keep], tok_idx[keep]), vals[keep], accumulate=True)
+            logits.index_put_((host_to_device(row_idx[keep], torch.long, device),
+                               host_to_device(tok_idx[keep], torch.long, device)),
+                              host_to_device(vals[keep], torch.float32, device), accumulate=True)
         if pen_rows:
             sizes = [len(a) for a in pen_ids]
-            row_idx, tok_idx = _tensor(pen_rows, device), _tensor(pen_ids, device)
+            row_idx, tok_idx, counts = np.concatenate(pen_rows), np.concatenate(pen_ids), np.concatenate(pen_counts)
             keep = tok_idx < vocab  # an embedding vocabulary larger than the head's: nothing to penalise
-            counts = _tensor(pen_counts, device)
-            per_row = torch.tensor(pen_params, dtype=torch.float32, device=device).repeat_interleave(
-                torch.tensor(sizes, device=device), dim=0)  # [m, 3]: repetition, frequency, presence
-            row_idx, tok_idx, counts, per_row = row_idx[keep], tok_idx[keep], counts[keep], per_row[keep]
+            # [m, 3]: repetition, frequency, presence
+            per_row = np.repeat(np.asarray(pen_params, dtype=np.float32), sizes, axis=0)
+            row_idx = host_to_device(row_idx[keep], torch.long, device)
+            tok_idx = host_to_device(tok_idx[keep], torch.long, device)
+            counts = host_to_device(counts[keep], torch.float32, device)
+            per_row = host_to_device(per_row[keep], torch.float32, device)
             score = logits[row_idx, tok_idx]
             rep = per_row[:, 0]
             score = torch.where(score < 0, score * rep, score / rep)
@@ -222,8 +247,8 @@ class Sampler:
         if ban_rows:
             pairs = [(r, t) for r, t in zip(ban_rows, ban_ids) if t < vocab]
             if pairs:
-                index = torch.tensor(pairs, device=device).T
-                logits.index_put_((index[0], index[1]), torch.tensor(float("-inf"), device=device))
+                index = host_to_device(pairs, torch.long, device).T
+                logits.index_put_((index[0], index[1]), torch.full((), float("-inf"), device=device))
 
     # ------------------------------------------------------------------ warpers -> blocks
     def warp(self, logits: torch.Tensor, rows: list[SampleRow], sampling: list[int]) -> list[_Block]:
@@ -241,10 +266,10 @@ class Sampler:
 
     def _warp_top_k(self, logits, idx: list[int], params) -> list[_Block]:
         device, vocab = logits.device, logits.shape[-1]
-        ks = torch.tensor([p.top_k for p in params], device=device)
+        ks = host_to_device([p.top_k for p in params], torch.long, device)
         width = min(max(p.top_k for p in params) + 1, vocab)
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None]
-        x = logits[idx] if len(idx) < logits.shape[0] else logits
+        temp = host_to_device([p.temperature for p in params], torch.float32, device)[:, None]
+        x = logits.index_select(0, _index(idx, device)) if len(idx) < logits.shape[0] else logits
         vals, ids = torch.topk(x, width, dim=-1)  # sorted, most likely first
         vals = vals / temp  # positive scaling: same order, and transformers' very values
         pos = torch.arange(width, device=device)[None, :]
@@ -253,7 +278,7 @@ class Sampler:
         tied = (ks < width) & (vals.gather(1, ks.clamp(max=width - 1)[:, None])[:, 0] == kth[:, 0])
         vals = vals.masked_fill(pos >= ks[:, None], float("-inf"))
         blocks = []
-        tied_rows = tied.nonzero().flatten().tolist()
+        tied_rows = tied.nonzero().flatten().tolist()  # a wait for the device: which rows need a whole-row pass
         if tied_rows:
             keep = sorted(set(range(len(idx))) - set(tied_rows))
             for j in tied_rows:  # rare: the whole row, masked below the k-th value
@@ -262,7 +287,9 @@ class Sampler:
                 blocks.append(_Block([idx[j]], None, self._top_p_min_p_dense(row[None], [params[j]])))
             if not keep:
                 return blocks
-            vals, ids, idx, params = vals[keep], ids[keep], [idx[j] for j in keep], [params[j] for j in keep]
+            keep_index = _index(keep, device)
+            vals, ids = vals.index_select(0, keep_index), ids.index_select(0, keep_index)
+            idx, params = [idx[j] for j in keep], [params[j] for j in keep]
         vals = _top_p_sorted(vals, [p.top_p for p in params])
         vals = _min_p(vals, [p.min_p for p in params])
         blocks.append(_Block(idx, ids, vals))
@@ -270,39 +297,42 @@ class Sampler:
 
     def _warp_full(self, logits, idx: list[int], params) -> list[_Block]:
         device, vocab = logits.device, logits.shape[-1]
-        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)[:, None]
-        x = (logits[idx] if len(idx) < logits.shape[0] else logits) / temp
+        temp = host_to_device([p.temperature for p in params], torch.float32, device)[:, None]
+        x = (logits.index_select(0, _index(idx, device)) if len(idx) < logits.shape[0] else logits) / temp
         top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
         if not top_p:
             return [_Block(idx, None, _min_p(x, [p.min_p for p in params]))]
         blocks = []
         plain = [j for j in range(len(idx)) if params[j].top_p >= 1.0]
         if plain:
-            blocks.append(_Block([idx[j] for j in plain], None, _min_p(x[plain], [params[j].min_p for j in plain])))
+            blocks.append(_Block([idx[j] for j in plain], None,
+                                 _min_p(x.index_select(0, _index(plain, device)), [params[j].min_p for j in plain])))
         pending = top_p  # rows (indices into params) whose nucleus is still undecided
         for m in TOP_P_CANDIDATES:
             if not pending:
                 break
             m = min(m, vocab)
-            sub = x[pending]
-            ps = torch.tensor([params[j].top_p for j in pending], dtype=torch.float64, device=device)
+            sub = x.index_select(0, _index(pending, device))
+            ps = host_to_device([params[j].top_p for j in pending], torch.float64, device)
             cand_vals, cand_ids = torch.topk(sub, m, dim=-1)
             probs = torch.exp(cand_vals - sub.logsumexp(dim=-1, keepdim=True)).double()
             above = probs.cumsum(dim=-1) - probs  # mass strictly more likely than each candidate
             # Clear: the least likely candidate is already dropped (so is everything after it), and no
             # candidate sits within the margin of the threshold.
             clear = (above[:, -1] > ps + TOP_P_MARGIN) & ((above - ps[:, None]).abs() > TOP_P_MARGIN).all(dim=-1)
-            clear = clear.tolist()
+            clear = clear.tolist()  # a wait for the device: which rows the candidates decide
             fast = [r for r, ok in enumerate(clear) if ok]
             if fast:
-                vals = cand_vals[fast].masked_fill(above[fast] >= ps[fast][:, None], float("-inf"))
+                rows = _index(fast, device)
+                vals = cand_vals.index_select(0, rows).masked_fill(
+                    above.index_select(0, rows) >= ps.index_select(0, rows)[:, None], float("-inf"))
                 vals = _min_p(vals, [params[pending[r]].min_p for r in fast])
-                blocks.append(_Block([idx[pending[r]] for r in fast], cand_ids[fast], vals))
+                blocks.append(_Block([idx[pending[r]] for r in fast], cand_ids.index_select(0, rows), vals))
             pending = [pending[r] for r, ok in enumerate(clear) if not ok]
             if m == vocab:
                 break
         if pending:  # still undecided: the whole row, as transformers sorts it
-            rows = self._top_p_min_p_dense(x[pending], [params[j] for j in pending])
+            rows = self._top_p_min_p_dense(x.index_select(0, _index(pending, device)), [params[j] for j in pending])
             blocks.append(_Block([idx[j] for j in pending], None, rows))
         return blocks
 
@@ -313,7 +343,7 @@ class Sampler:
         if any(p < 1.0 for p in ps):
             sorted_vals, order = torch.sort(x, descending=False)
             cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
-            p = torch.tensor(ps, dtype=x.dtype, device=x.device)[:, None]
+            p = host_to_device(ps, x.dtype, x.device)[:, None]
             drop = (cum <= 1 - p) & (p < 1.0)
             drop[:, -1] = False  # the most likely token always stays
             x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
@@ -326,8 +356,8 @@ def _logprobs_in(params, mode: str) -> bool:
     return params.logprobs is not None and params.logprobs_mode == mode
 
 
-def _tensor(arrays: list[np.ndarray], device) -> torch.Tensor:
-    return torch.from_numpy(np.concatenate(arrays)).to(device)
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:  # [len(rows)] int64
+    return host_to_device(rows, torch.long, device)
 
 
 def _bias_arrays(params) -> tuple[np.ndarray, np.ndarray]:
@@ -341,7 +371,7 @@ def _top_p_sorted(vals: torch.Tensor, ps: list[float]) -> torch.Tensor:
     ascending cumulative probability <= 1 - top_p is dropped; the most likely token stays."""
     if all(p >= 1.0 for p in ps):
         return vals
-    p = torch.tensor(ps, dtype=vals.dtype, device=vals.device)[:, None]
+    p = host_to_device(ps, vals.dtype, vals.device)[:, None]
     cum = vals.flip(-1).softmax(dim=-1).cumsum(dim=-1).flip(-1)
     drop = (cum <= 1 - p) & (p < 1.0)
     drop[:, 0] = False
@@ -352,13 +382,13 @@ def _min_p(vals: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """transformers' MinPLogitsWarper: drop tokens whose probability is below min_p x the largest."""
     if all(m == 0 for m in min_ps):
         return vals
-    m = torch.tensor(min_ps, dtype=vals.dtype, device=vals.device)[:, None]
+    m = host_to_device(min_ps, vals.dtype, vals.device)[:, None]
     probs = vals.softmax(dim=-1)
     drop = probs < m * probs.amax(dim=-1, keepdim=True)
     return vals.masked_fill(drop, float("-inf"))
 
 
-def _draw(block: _Block, positions: list[int], seeds: list[int]) -> list[int]:
+def _draw(block: _Block, positions: list[int], seeds: list[int]) -> torch.Tensor:  # [r] int64, on the device
     """Inverse-CDF draw per row at u = uniform(seed, position), over the kept tokens in id order."""
     vals, ids = block.vals, block.ids
     if ids is not None:  # canonical (token id) order, so the draw does not depend on topk's tie order
@@ -367,10 +397,9 @@ def _draw(block: _Block, positions: list[int], seeds: list[int]) -> list[int]:
         ids, order = ids.sort(dim=-1)
         vals = vals.gather(1, order)
     probs = torch.softmax(vals, dim=-1)
-    u = torch.tensor([uniform(s, p) for s, p in zip(seeds, positions)], dtype=torch.float64, device=vals.device)
+    u = host_to_device([uniform(s, p) for s, p in zip(seeds, positions)], torch.float64, vals.device)
     j = _inverse_cdf(probs, u)
-    picked = j if ids is None else ids.gather(1, j[:, None])[:, 0]
-    return picked.tolist()
+    return j if ids is None else ids.gather(1, j[:, None])[:, 0]
 
 
 CDF_CHUNK = 256
@@ -380,44 +409,51 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of `probs` ([r, K] fp32, rows summing to ~1), the index where the CDF first exceeds
     u * total (u: [r] fp64 in [0, 1)). Two levels, so that no token's share is lost to fp32 rounding
     at large K without a float64 pass over the whole row: chunk masses (fp32 sums of CDF_CHUNK
-    tokens, accumulated in fp64) pick the chunk, an fp64 cumsum inside it picks the token."""
+    tokens, accumulated in fp64) pick the chunk, an fp64 cumsum inside it picks the token.
+
+    Branch-free (no wait for the device): the rare fix-ups below are computed for every row and
+    selected with `where`, over [r, num_chunks] and [r, CDF_CHUNK] only. A row holding NaN yields
+    some index in range (its token is the caller's to discard)."""
     r, k = probs.shape
     size = next((c for c in (CDF_CHUNK, CDF_CHUNK // 2, CDF_CHUNK // 4) if k % c == 0), CDF_CHUNK)
     pad = -k % size  # a vocabulary that is a multiple of 64 needs no padded copy
     padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
     chunks = padded.view(r, -1, size)
-    mass = chunks.sum(dim=-1).double().cumsum(dim=-1)  # [r, num_chunks]
+    sums = chunks.sum(dim=-1)  # [r, num_chunks]
+    mass = sums.double().cumsum(dim=-1)
     x = u * mass[:, -1]
     c = torch.searchsorted(mass, x[:, None], right=True)[:, 0].clamp(max=mass.shape[-1] - 1)
     before = torch.where(c > 0, mass.gather(1, (c - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(x))
-    inner = chunks[torch.arange(r, device=probs.device), c].double().cumsum(dim=-1)  # [r, CDF_CHUNK]
-    j = torch.searchsorted(inner, (x - before)[:, None], right=True)[:, 0]
+    rows = torch.arange(r, device=probs.device)
+    chunk = chunks[rows, c]  # [r, size]
+    j = torch.searchsorted(chunk.double().cumsum(dim=-1), (x - before)[:, None], right=True)[:, 0]
     # right=True lands on a token with probability > 0, unless rounding put the target at or past
-    # the chunk's (or the row's) end: then the last token with any probability there is taken.
-    for row in (j >= size).nonzero().flatten().tolist():
-        in_chunk = (chunks[row, c[row]] > 0).nonzero()
-        j[row] = int(in_chunk.max()) if len(in_chunk) else -1
-    j = torch.where(j >= 0, c * size + j, j)
-    for row in (j < 0).nonzero().flatten().tolist():
-        j[row] = int((probs[row] > 0).nonzero().max())
-    return j
+    # the chunk's end: then the last token with any probability in the chunk is taken, or, if the
+    # chunk has none, the last such token of the row (in its last chunk with any mass).
+    cols = torch.arange(size, device=probs.device)
+    last_in_chunk = torch.where(chunk > 0, cols, -1).amax(dim=-1)  # [r], -1: none
+    last_chunk = torch.where(sums > 0, torch.arange(sums.shape[-1], device=probs.device), -1).amax(dim=-1)
+    tail = chunks[rows, last_chunk.clamp(min=0)]  # [r, size]
+    last_in_row = last_chunk * size + torch.where(tail > 0, cols, -1).amax(dim=-1)
+    j = torch.where(j < size, j, last_in_chunk)
+    j = torch.where(j >= 0, c * size + j, last_in_row)
+    return j.clamp(0, k - 1)
 
 
 def _dense(block: _Block, vocab: int) -> torch.Tensor:
     """The block's rows as [r, vocab] logits, -inf outside the kept tokens."""
     if block.ids is None:
         return block.vals.clone()
-    out = torch.full((len(block.rows), vocab), float("-inf"), device=block.vals.device)
-    r, c = (~torch.isinf(block.vals)).nonzero(as_tuple=True)
-    out[r, block.ids[r, c]] = block.vals[r, c]
-    return out
+    out = torch.full((len(block.rows), vocab), float("-inf"), dtype=block.vals.dtype, device=block.vals.device)
+    # A row's ids are distinct and its dropped ones hold -inf already: scattering every value is exact.
+    return out.scatter_(1, block.ids, block.vals)
 
 
 def _logprobs(block: _Block, tokens: list[int], ks: list[int | None]) -> dict[int, TokenLogprobs]:
     """Logprobs of each row's chosen token and its top `ks[row]`, under the block's distribution."""
     logp = torch.log_softmax(block.vals, dim=-1)
     ids = block.ids
-    chosen = torch.tensor([tokens[i] for i in block.rows], device=logp.device)
+    chosen = host_to_device([tokens[i] for i in block.rows], torch.long, logp.device)
     if ids is None:
         col = chosen[:, None]
     else:
@@ -467,4 +503,4 @@ def sample_processed(processed: torch.Tensor, state: SamplingState, extra: tuple
     `extra`): argmax when greedy, else the inverse-CDF draw keyed by (seed, position)."""
     if state.params.is_greedy:
         return int(processed.argmax())
-    return _draw(_Block([0], None, processed.float()[None]), [state.position + len(extra)], [state.seed])[0]
+    return int(_draw(_Block([0], None, processed.float()[None]), [state.position + len(extra)], [state.seed])[0])

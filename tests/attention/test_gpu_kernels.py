@@ -80,25 +80,54 @@ def test_store_kv_matches_reference(dtype):
     assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
 
 
+def _load_default_or_skip(dtype):
+    from hf_paged.defaults.models import DefaultModelNotInstalledError, load_default
+
+    try:
+        return load_default(dtype=dtype, device="cuda")
+    except DefaultModelNotInstalledError as exc:  # a GPU machine the weights did not reach
+        pytest.skip(f"SmolLM2's weights are not installed here: {exc}")
+
+
+def _assert_greedy_equal_up_to_near_ties(out, ref, width: int, gap: float) -> None:
+    """Every row equal to stock's, except that a row may leave stock's path at a step where stock's own
+    logits put the two tokens within `gap` of each other (a near-tie that rounding may flip; both
+    continuations are then right). At least half the rows must be equal to the end."""
+    equal = 0
+    for row in range(ref.sequences.shape[0]):
+        a, b = ref.sequences[row, width:], out.sequences[row, width:]
+        differ = (a != b).nonzero()
+        if len(differ) == 0:
+            equal += 1
+            continue
+        step = int(differ[0])
+        logits = ref.logits[step][row].float()
+        tie = abs(float(logits[a[step]] - logits[b[step]]))
+        assert tie <= gap, f"row {row} leaves stock's tokens at step {step} with a logit gap of {tie:.3f} (> {gap})"
+    assert equal >= (ref.sequences.shape[0] + 1) // 2, f"only {equal} rows equal to stock's to the end"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_generate_on_gpu_matches_stock(dtype):
-    from hf_paged.defaults.models import load_default
+    """SmolLM2 greedy generate with "hf_paged" (the Triton kernels, CUDA graphs for decode) against
+    stock sdpa in the same dtype: fp32 token-identical with logits within 1e-3; bf16 identical except
+    where a near-tie in stock's own logits (gap <= 0.5, the bf16 logits tolerance below) explains
+    a flip, and the first step's logits close."""
     from hf_paged.defaults.prompts import chat_inputs
 
-    model, tokenizer = load_default(dtype=dtype, device="cuda")
+    model, tokenizer = _load_default_or_skip(dtype)
     inputs = chat_inputs(tokenizer).to("cuda")
     kwargs = dict(max_new_tokens=32, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ref = model.generate(**inputs, **kwargs)
     model.set_attn_implementation("hf_paged")
     out = model.generate(**inputs, **kwargs)
-    worst = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
+    width = inputs["input_ids"].shape[1]
     if dtype == torch.float32:
+        worst = max((a - b).abs().max().item() for a, b in zip(ref.logits, out.logits))
         assert torch.equal(out.sequences, ref.sequences)
         assert worst < 1e-3
     else:
-        # bf16: a near-tie may flip a token late; the first 8 tokens and the first step's logits must agree.
-        width = inputs["input_ids"].shape[1]
-        assert torch.equal(out.sequences[:, : width + 8], ref.sequences[:, : width + 8])
+        _assert_greedy_equal_up_to_near_ties(out, ref, width, gap=0.5)
         torch.testing.assert_close(out.logits[0], ref.logits[0], atol=0.5, rtol=0.05)
 
 

@@ -28,10 +28,14 @@ def _factory(device: str = "cpu"):
 
 @pytest.fixture(scope="module")
 def prompts():
-    from hf_paged.defaults.models import load_default_tokenizer
+    from hf_paged.defaults.models import DefaultModelNotInstalledError, load_default_tokenizer
     from hf_paged.defaults.prompts import mixed_length_prompts
 
-    out = mixed_length_prompts(load_default_tokenizer(), 32, 20, 600, seed=3)
+    try:
+        tokenizer = load_default_tokenizer()
+    except DefaultModelNotInstalledError as exc:  # a GPU machine the weights did not reach
+        pytest.skip(f"SmolLM2's weights are not installed here: {exc}")
+    out = mixed_length_prompts(tokenizer, 32, 20, 600, seed=3)
     assert min(map(len, out)) >= 20 and max(map(len, out)) <= 600
     return out
 

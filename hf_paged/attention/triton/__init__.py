@@ -1,5 +1,7 @@
 """Triton kernels of the paged attention: `store_kv`, the split-KV `decode` and the varlen flash
-`prefill`, with the launchers' shared input `checks`.
+`prefill`, with the launchers' shared input `checks`, and their launch configurations: `tuning`
+(recorded winners in `tuned_configs.json`, the pruned search behind HF_PAGED_AUTOTUNE) and `tune`
+(the command a GPU session runs to record winners).
 
 Each file reads top-down: small `@triton.jit` helpers, the kernel with a shape comment on every
 tensor argument, then one Python launcher that validates inputs and picks the grid. The kernels

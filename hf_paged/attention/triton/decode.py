@@ -26,6 +26,11 @@ head, or per token) is dequantised in registers: each K/V tile is loaded with it
 through the same block-table lookup and becomes `payload.to(fp32) * scale`, rounded once to the
 query's dtype (what `kv_quant.dequantize` computes), before the dots. No dequantised copy of the
 cache is ever written.
+
+Launch configuration: BLOCK_N and num_warps never change the result, so they are tunable; the
+launcher takes a winner recorded for the GPU and shape, or searches when HF_PAGED_AUTOTUNE=1, or
+its heuristic (see `tuning` and `decode_configs`). GROUP, Q_PER_TILE, BLOCK_M and BLOCK_D/DV are
+what the shapes dictate and are never tuned.
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, kv_scale_args
+from .tuning import (
+    DEFAULT_SHARED_MEMORY,
+    TuningKey,
+    check_config,
+    choose_config,
+    device_name,
+    dtype_name,
+    dtype_size,
+    keep_fitting,
+    shared_memory_limit,
+    tile_misfit,
+)
 
 LOG2E = 1.4426950408889634
 # Cap on query tokens x group heads per program (the M of tl.dot), by padded head_dim (the wider of
@@ -45,6 +62,9 @@ LOG2E = 1.4426950408889634
 _MAX_ROWS = {16: 128, 32: 128, 64: 128, 128: 128, 256: 64}
 _MAX_SPLITS = 64
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed costs outweigh the parallelism it adds
+# The tunable knobs' values (see `decode_configs`).
+DECODE_BLOCK_N = (16, 32, 64, 128)
+DECODE_NUM_WARPS = (2, 4, 8)
 
 
 @triton.jit
@@ -284,6 +304,70 @@ def _query_tiling(max_seqlen_q: int, group: int, block_d: int) -> tuple[int, int
     return q_per_tile, block_m
 
 
+def _num_stages(block_n: int, block_d: int, block_dv: int, kv_bytes: int) -> int:
+    # Software pipelining would buffer K and V tiles in shared memory per stage: 3 stages of 32 KiB,
+    # or 2 when a stage is bigger (fp32, head_dim 256), to stay well inside ~227 KiB.
+    return 3 if block_n * (block_d + block_dv) * kv_bytes <= 32 * 1024 else 2
+
+
+@functools.lru_cache(maxsize=1024)
+def tuning_key(
+    device: torch.device,
+    head_dim: int,
+    head_dim_v: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    max_seqlen_q: int,
+) -> TuningKey:
+    """The `TuningKey` of a `paged_decode` launch: its BLOCK_M (query rows per program, from
+    `max_seqlen_q` and the group) is part of it, so a decode step's winner never tiles a long verify step.
+    Memoised: triton.cdiv / next_power_of_2 cost microseconds a call on the host, and this runs per launch."""
+    _, block_m = _query_tiling(max(max_seqlen_q, 1), group, max(_block_d(head_dim), _block_d(head_dim_v)))
+    return TuningKey("paged_decode", device_name(device), head_dim, head_dim_v, group, block_size,
+                     dtype_name(dtype), dtype_name(kv_dtype), block_m)
+
+
+@functools.lru_cache(maxsize=1024)
+def heuristic_config(key: TuningKey) -> triton.Config:
+    """The launch configuration when no winner is recorded or tuned: hand-picked, not measured."""
+    block_d, block_dv = _block_d(key.head_dim), _block_d(key.head_dim_v)
+    block_wide = max(block_d, block_dv)
+    block_n = 64 if block_wide <= 128 else 32
+    num_warps = 4 if key.block_m * block_wide <= 64 * 128 else 8
+    return triton.Config({"BLOCK_N": block_n}, num_warps=num_warps,
+                         num_stages=_num_stages(block_n, block_d, block_dv, dtype_size(key.kv_dtype)))
+
+
+def decode_configs(key: TuningKey, shared_memory: int = DEFAULT_SHARED_MEMORY) -> list[triton.Config]:
+    """The pruned candidates of a decode key, `heuristic_config` first.
+
+    Candidates are DECODE_BLOCK_N x DECODE_NUM_WARPS, each with the num_stages `_num_stages` gives
+    its BLOCK_N. num_stages is not searched: on Triton 3.9 / sm_90 the block-table gathers are not
+    software-pipelined, and num_stages 1 to 4 compile to the same cubin (checked with ptxas), so
+    searching it would only multiply the compile time. `tuning.tile_misfit` drops what cannot fit
+    the shared memory, would spill registers, or leaves warps idle (at BLOCK_M 16, a BLOCK_N of 16
+    feeds two warps at most).
+
+    Args:
+        key: a `tuning_key`.
+        shared_memory: bytes one program may use (`tuning.shared_memory_limit` of the device).
+    """
+    block_d, block_dv = _block_d(key.head_dim), _block_d(key.head_dim_v)
+    kv_bytes = dtype_size(key.kv_dtype)
+    elem_bytes = max(dtype_size(key.dtype), kv_bytes)  # K/V tiles are cast to the query's dtype on load
+    configs = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=_num_stages(n, block_d, block_dv, kv_bytes))
+               for n in DECODE_BLOCK_N for w in DECODE_NUM_WARPS]
+
+    def misfit(c: triton.Config) -> str | None:
+        return tile_misfit(block_m=key.block_m, block_n=c.kwargs["BLOCK_N"], block_d=block_d, block_dv=block_dv,
+                           num_warps=c.num_warps, num_stages=c.num_stages, elem_bytes=elem_bytes,
+                           shared_memory=shared_memory)
+
+    return keep_fitting(heuristic_config(key), configs, misfit)
+
+
 def default_num_splits(
     num_seqs: int,
     num_kv_heads: int,
@@ -325,6 +409,7 @@ def paged_decode(
     sinks: torch.Tensor | None = None,  # [num_q_heads]
     num_splits: int | None = None,
     scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
+    config: triton.Config | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's few new queries over its paged K/V, split along the keys.
 
@@ -350,6 +435,8 @@ def paged_decode(
         scales: a quantised cache's `kv_quant.KVScales` (`.key` / `.value` `[num_blocks, block_size, G, 1]`
             float32, G = num_kv_heads or 1); K/V are dequantised in registers as they are read. The
             "asymmetric" scheme is refused.
+        config: a `triton.Config` of `BLOCK_N`, num_warps and num_stages to launch with instead of the
+            recorded, tuned or heuristic one (`tuning.choose_config`); any such config gives the same result.
 
     Returns:
         `[num_tokens, num_q_heads, head_dim_v]` in query's dtype.
@@ -358,6 +445,8 @@ def paged_decode(
                                     cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
     if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
         raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
+    if config is not None:
+        check_config("paged_decode", config, ("BLOCK_N",))
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
@@ -375,12 +464,6 @@ def paged_decode(
         num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, max(head_dim, head_dim_v),
                                         max_seqlen_q, max_seqlen_k, query.device, sliding_window)
     num_splits = int(num_splits)
-    block_n = 64 if block_wide <= 128 else 32
-    num_warps = 4 if block_m * block_wide <= 64 * 128 else 8
-    # Software pipelining buffers K and V tiles in shared memory per stage: 3 stages of 32 KiB, or 2
-    # when a stage is bigger (fp32, head_dim 256), to stay well inside ~227 KiB.
-    stage_bytes = block_n * (block_d + block_dv) * key_cache.element_size()
-    num_stages = 3 if stage_bytes <= 32 * 1024 else 2
 
     if num_splits == 1:
         partial_out = partial_lse = out  # unused
@@ -392,40 +475,48 @@ def paged_decode(
     stride_sinks = sinks.stride(0) if sinks is not None else 0
     key_scales, value_scales, scale_strides = kv_scale_args(scales, num_kv_heads, out)
 
-    _paged_decode_kernel[(num_seqs * num_q_tiles, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, cu_seqlens_q, sinks_arg,
-        out, partial_out, partial_lse,
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        *scale_strides,
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        stride_sinks,
-        num_tokens,
-        num_q_heads,
-        head_dim,
-        head_dim_v,
-        num_q_tiles,
-        float(scale),
-        float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        GROUP=group,
-        Q_PER_TILE=q_per_tile,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits,
-        HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None,
-        HAS_SINKS=sinks is not None,
-        IS_QUANTIZED=scales is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    def launch(config: triton.Config) -> None:
+        _paged_decode_kernel[(num_seqs * num_q_tiles, num_kv_heads, num_splits)](
+            query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, cu_seqlens_q,
+            sinks_arg, out, partial_out, partial_lse,
+            query.stride(0), query.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            *scale_strides,
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            stride_sinks,
+            num_tokens,
+            num_q_heads,
+            head_dim,
+            head_dim_v,
+            num_q_tiles,
+            float(scale),
+            float(softcap) if softcap is not None else 1.0,
+            int(sliding_window) if sliding_window is not None else 0,
+            GROUP=group,
+            Q_PER_TILE=q_per_tile,
+            BLOCK_M=block_m,
+            BLOCK_N=config.kwargs["BLOCK_N"],
+            BLOCK_D=block_d,
+            BLOCK_DV=block_dv,
+            BLOCK_SIZE=block_size,
+            NUM_SPLITS=num_splits,
+            HAS_WINDOW=sliding_window is not None,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
+            IS_QUANTIZED=scales is not None,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+
+    if config is None:
+        key = tuning_key(query.device, head_dim, head_dim_v, group, block_size, query.dtype, key_cache.dtype,
+                         max_seqlen_q)
+        config = choose_config(key, lambda: decode_configs(key, shared_memory_limit(query.device)), launch,
+                               query.device) or heuristic_config(key)
+    launch(config)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             partial_out, partial_lse, sinks_arg, out,

@@ -35,17 +35,43 @@ Work split (one program = one query tile x one KV head):
   head or per token) is dequantised in registers: a tile's BLOCK_N scales come through the same
   block-table lookup, and the tile becomes `payload.to(fp32) * scale`, rounded once to the query's
   dtype (as `kv_quant.dequantize`), before the dots. No dequantised copy of the cache is written.
+
+Launch configuration: ROWS (the rows a query tile aims for, which sets BLOCK_Q and BLOCK_M), BLOCK_N
+and num_warps never change the result, so they are tunable; the launcher takes a winner recorded for
+the GPU and shape, or searches when HF_PAGED_AUTOTUNE=1, or its heuristic (see `tuning` and
+`prefill_configs`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .checks import check_attention_inputs, kv_scale_args
+from .tuning import (
+    DEFAULT_SHARED_MEMORY,
+    TuningKey,
+    check_config,
+    choose_config,
+    device_name,
+    dtype_name,
+    dtype_size,
+    keep_fitting,
+    shared_memory_limit,
+    tile_misfit,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+# The tunable knobs' values (see `prefill_configs`).
+PREFILL_ROWS = (64, 128)
+PREFILL_BLOCK_N = (32, 64, 128)
+PREFILL_NUM_WARPS = (4, 8)
+# Triton's default on CUDA, what every prefill launch got before it was tunable. Not searched: the
+# block-table gathers are not software-pipelined (Triton 3.9, sm_90), num_stages changes nothing.
+PREFILL_NUM_STAGES = 3
 
 
 @triton.jit
@@ -219,18 +245,74 @@ def _padded_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _pick_tiles(head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps) for a launch, `head_dim` being the wider of the
-    K and V rows. Heuristic, not tuned on GPU."""
-    block_d = _padded_dim(head_dim)
+def _query_tile(rows: int, group: int, max_seqlen_q: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): fill `rows` rows with whole GQA groups, but take no more tokens than any
+    sequence has this step (decode / speculative-verify rows in the batch get small tiles)."""
+    block_q = max(1, min(rows // group, max(max_seqlen_q, 1)))
+    return block_q, max(16, triton.next_power_of_2(block_q * group))
+
+
+@functools.lru_cache(maxsize=1024)
+def tuning_key(
+    device: torch.device,
+    head_dim: int,
+    head_dim_v: int,
+    group: int,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+) -> TuningKey:
+    """The `TuningKey` of a `flash_prefill` launch (no BLOCK_M: the tile's rows are a tuned knob).
+    Memoised, as it runs per launch."""
+    return TuningKey("flash_prefill", device_name(device), head_dim, head_dim_v, group, block_size,
+                     dtype_name(dtype), dtype_name(kv_dtype))
+
+
+def _heuristic(block_d: int) -> triton.Config:
     rows = 64  # target rows per tile: the tutorial's sweet spot for d <= 128 on Hopper/Ampere
     block_n = 64 if block_d <= 128 else 32  # d = 256: keep the K/V tiles and acc within registers
     num_warps = 4 if block_d <= 64 else 8
-    # Tokens per tile: fill the target rows with whole GQA groups, but no more tokens than any
-    # sequence has this step (decode / speculative-verify batches get small tiles).
-    block_q = max(1, min(rows // group, max(max_seqlen_q, 1)))
-    block_m = max(16, triton.next_power_of_2(block_q * group))
-    return block_q, block_m, block_n, block_d, num_warps
+    return triton.Config({"BLOCK_N": block_n, "ROWS": rows}, num_warps=num_warps, num_stages=PREFILL_NUM_STAGES)
+
+
+def heuristic_config(key: TuningKey) -> triton.Config:
+    """The launch configuration when no winner is recorded or tuned: hand-picked, not measured."""
+    return _heuristic(max(_padded_dim(key.head_dim), _padded_dim(key.head_dim_v)))
+
+
+def _pick_tiles(head_dim: int, group: int, max_seqlen_q: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_Q, BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the heuristic, `head_dim` being the wider of
+    the K and V rows."""
+    block_d = _padded_dim(head_dim)
+    config = _heuristic(block_d)
+    block_q, block_m = _query_tile(config.kwargs["ROWS"], group, max_seqlen_q)
+    return block_q, block_m, config.kwargs["BLOCK_N"], block_d, config.num_warps
+
+
+def prefill_configs(key: TuningKey, shared_memory: int = DEFAULT_SHARED_MEMORY) -> list[triton.Config]:
+    """The pruned candidates of a prefill key, `heuristic_config` first.
+
+    Candidates are PREFILL_ROWS x PREFILL_BLOCK_N x PREFILL_NUM_WARPS at PREFILL_NUM_STAGES.
+    `tuning.tile_misfit` drops what cannot fit the shared memory or would spill registers, judged at
+    the tile's full BLOCK_M (a step with shorter query runs only gets smaller tiles).
+
+    Args:
+        key: a `tuning_key`.
+        shared_memory: bytes one program may use (`tuning.shared_memory_limit` of the device).
+    """
+    block_d, block_dv = _padded_dim(key.head_dim), _padded_dim(key.head_dim_v)
+    elem_bytes = max(dtype_size(key.dtype), dtype_size(key.kv_dtype))  # K/V are cast to the query's dtype
+    configs = [triton.Config({"BLOCK_N": n, "ROWS": r}, num_warps=w, num_stages=PREFILL_NUM_STAGES)
+               for r in PREFILL_ROWS for n in PREFILL_BLOCK_N for w in PREFILL_NUM_WARPS]
+
+    def misfit(c: triton.Config) -> str | None:
+        # The widest tile a step can get: BLOCK_Q is capped by max_seqlen_q, never raised by it.
+        _, block_m = _query_tile(c.kwargs["ROWS"], key.group, c.kwargs["ROWS"])
+        return tile_misfit(block_m=block_m, block_n=c.kwargs["BLOCK_N"], block_d=block_d, block_dv=block_dv,
+                           num_warps=c.num_warps, num_stages=c.num_stages, elem_bytes=elem_bytes,
+                           shared_memory=shared_memory)
+
+    return keep_fitting(heuristic_config(key), configs, misfit)
 
 
 def flash_prefill(
@@ -247,6 +329,7 @@ def flash_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
     scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
+    config: triton.Config | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Varlen causal flash attention over the paged KV cache; see `reference.paged_attention`.
 
@@ -269,12 +352,17 @@ def flash_prefill(
         scales: a quantised cache's `kv_quant.KVScales` (`.key` / `.value` `[num_blocks, block_size, G, 1]`
             float32, G = num_kv_heads or 1); K/V are dequantised in registers as they are read. The
             "asymmetric" scheme is refused.
+        config: a `triton.Config` of `BLOCK_N`, `ROWS`, num_warps and num_stages to launch with instead
+            of the recorded, tuned or heuristic one (`tuning.choose_config`); any such config gives the
+            same result.
 
     Returns:
         `[num_tokens, num_q_heads, head_dim_v]` in `query`'s dtype.
     """
     shapes = check_attention_inputs("flash_prefill", query, key_cache, value_cache, block_tables, seq_lens,
                                     cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
+    if config is not None:
+        check_config("flash_prefill", config, ("BLOCK_N", "ROWS"))
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
@@ -284,27 +372,43 @@ def flash_prefill(
         return out.zero_()
 
     group = num_q_heads // num_kv_heads
-    block_q, block_m, block_n, _, num_warps = _pick_tiles(max(head_dim, head_dim_v), group, max_seqlen_q)
     block_d, block_dv = _padded_dim(head_dim), _padded_dim(head_dim_v)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     key_scales, value_scales, scale_strides = kv_scale_args(scales, num_kv_heads, out)
-    _flash_prefill_kernel[grid](
-        out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, cu_seqlens_q,
-        sinks if sinks is not None else out,  # dummy pointer, never read
-        num_seqs, num_tokens, float(scale), float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        block_size, head_dim, head_dim_v,
-        out.stride(0), out.stride(1),
-        query.stride(0), query.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        *scale_strides,
-        block_tables.stride(0),
-        sinks.stride(0) if sinks is not None else 0,
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
-        IS_QUANTIZED=scales is not None,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        num_warps=num_warps,
-    )
+
+    def run(block_q: int, block_m: int, block_n: int, num_warps: int, num_stages: int) -> None:
+        grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+        _flash_prefill_kernel[grid](
+            out, query, key_cache, value_cache, key_scales, value_scales, block_tables, seq_lens, cu_seqlens_q,
+            sinks if sinks is not None else out,  # dummy pointer, never read
+            num_seqs, num_tokens, float(scale), float(softcap) if softcap is not None else 1.0,
+            int(sliding_window) if sliding_window is not None else 0,
+            block_size, head_dim, head_dim_v,
+            out.stride(0), out.stride(1),
+            query.stride(0), query.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            *scale_strides,
+            block_tables.stride(0),
+            sinks.stride(0) if sinks is not None else 0,
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+            HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+            IS_QUANTIZED=scales is not None,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+            num_warps=num_warps,
+            num_stages=num_stages,
+        )
+
+    def launch(config: triton.Config) -> None:
+        block_q, block_m = _query_tile(config.kwargs["ROWS"], group, max_seqlen_q)
+        run(block_q, block_m, config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+
+    if config is None:
+        key = tuning_key(query.device, head_dim, head_dim_v, group, block_size, query.dtype, key_cache.dtype)
+        config = choose_config(key, lambda: prefill_configs(key, shared_memory_limit(query.device)), launch,
+                               query.device)
+    if config is None:  # the heuristic, through `_pick_tiles` (which tests may narrow)
+        block_q, block_m, block_n, _, num_warps = _pick_tiles(max(head_dim, head_dim_v), group, max_seqlen_q)
+        run(block_q, block_m, block_n, num_warps, PREFILL_NUM_STAGES)
+    else:
+        launch(config)
     return out
