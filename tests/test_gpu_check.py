@@ -22,36 +22,43 @@ skipped="1" tests="3"><testcase classname="tests.a" name="test_ok"/><testcase cl
 </testsuite></testsuites>"""
 
 
-def _summary(tmp_path, failures: int, rcs=(0, 0, 0, 0)):
-    work, out = tmp_path / "work", tmp_path / "out"
-    work.mkdir(parents=True)
-    out.mkdir(parents=True)
-    stages = ["tune", "pytest", "kernels", "throughput"]
-    (work / "stages").write_text("".join(f"{n} {rc} {i + 1}\n" for i, (n, rc) in enumerate(zip(stages, rcs))))
+def _summary(tmp_path, failures: int, rcs=(0, 0, 0, 0, 0)):
+    work, results, out = tmp_path / "work", tmp_path / "results", tmp_path / "out"
+    for folder in (work, results, out):
+        folder.mkdir(parents=True)
+    stages = ["tune", "kernels", "pytest-core", "pytest-matrix", "throughput"]
+    lines = [f"{n} {rc} {i + 1}" + (" earlier" if n in ("tune", "kernels") else "")
+             for i, (n, rc) in enumerate(zip(stages, rcs))]
+    (work / "stages").write_text("\n".join(lines) + "\n")
     fail = '<failure message="assert 1 == 2">trace</failure>' if failures else ""
-    (work / "pytest.xml").write_text(JUNIT.format(f=failures, fail=fail))
-    (work / "kernels.json").write_text(json.dumps({"verdicts": {"decode_pass": True, "prefill_pass": False}}))
-    (work / "throughput.json").write_text(json.dumps({"verdicts": {"greedy/hf_paged": {"vs_generate_batch": 2.0}},
-                                                      "dtype": "torch.bfloat16"}))
+    (results / "pytest-core.xml").write_text(JUNIT.format(f=failures, fail=fail))
+    (results / "pytest-matrix.xml").write_text(JUNIT.format(f=0, fail=""))
+    (results / "kernels.json").write_text(json.dumps({"verdicts": {"decode_pass": True, "prefill_pass": False}}))
+    (results / "throughput.json").write_text(json.dumps({"verdicts": {"greedy/hf_paged": {"vs_generate_batch": 2.0}},
+                                                         "dtype": "torch.bfloat16"}))
+    (results / "tuned_configs.json").write_text(json.dumps({"version": 1, "entries": [{"kernel": "paged_decode"}]}))
     (out / "env.log").write_text("python 3.12\n")
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(work), str(out), "default"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_summary.py"), str(work), str(results), str(out),
+                           "default"], capture_output=True, text=True, timeout=60)
     return done.returncode, json.loads(done.stdout)
 
 
 def test_summary_reports_every_stage_and_fails_on_a_failed_test_or_stage(tmp_path):
     rc, summary = _summary(tmp_path / "ok", failures=0)
     assert rc == 0
-    assert summary["stages"]["kernels"] == {"rc": 0, "seconds": 3, "timed_out": False}
-    assert summary["total_seconds"] == 10
-    assert summary["pytest"]["passed"] == 2 and summary["pytest"]["skipped"] == 1
-    assert summary["pytest"]["skip_reasons"] == {"needs a CUDA GPU": 1}
+    assert summary["stages"]["kernels"] == {"rc": 0, "seconds": 2, "timed_out": False, "earlier_call": True}
+    assert summary["stages"]["throughput"]["earlier_call"] is False
+    assert summary["total_seconds"] == 15
+    core = summary["pytest"]["pytest-core"]
+    assert core["passed"] == 2 and core["skipped"] == 1 and core["skip_reasons"] == {"needs a CUDA GPU": 1}
     assert summary["kernels"]["verdicts"]["prefill_pass"] is False
     assert summary["throughput"]["verdicts"]["greedy/hf_paged"]["vs_generate_batch"] == 2.0
+    assert summary["tuned_configs"] == [{"kernel": "paged_decode"}]
 
     rc, summary = _summary(tmp_path / "failed", failures=1)
-    assert rc == 1 and summary["pytest"]["failed"] == [{"test": "tests.a::test_bad", "failure": "assert 1 == 2"}]
-    rc, summary = _summary(tmp_path / "timeout", failures=0, rcs=(0, 0, 124, 0))
+    assert rc == 1
+    assert summary["pytest"]["pytest-core"]["failed"] == [{"test": "tests.a::test_bad", "failure": "assert 1 == 2"}]
+    rc, summary = _summary(tmp_path / "timeout", failures=0, rcs=(0, 124, 0, 0, 0))
     assert rc == 1 and summary["stages"]["kernels"]["timed_out"]
 
 
@@ -84,12 +91,15 @@ def test_dry_run_runs_every_stage_to_a_summary(tmp_path):
                           capture_output=True, text=True, timeout=900)
     summary = json.loads((out / "summary.json").read_text())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert set(summary["stages"]) == {"tune", "pytest", "kernels", "throughput"}
-    assert all(s["rc"] == 0 for s in summary["stages"].values()), summary["stages"]
-    tests = summary["pytest"]
-    assert tests["tests"] > 100 and tests["skipped"] == tests["tests"], tests  # every CUDA test, each skipped
-    assert all("CUDA" in reason or "cuda" in reason for reason in tests["skip_reasons"]), tests["skip_reasons"]
+    assert set(summary["stages"]) == {"tune", "kernels", "pytest-core", "pytest-matrix", "throughput"}
+    assert all(s["rc"] == 0 and not s["earlier_call"] for s in summary["stages"].values()), summary["stages"]
+    core, matrix = summary["pytest"]["pytest-core"], summary["pytest"]["pytest-matrix"]
+    assert core["tests"] >= 10 and matrix["tests"] > 100  # every CUDA test collected, each skipped
+    for tests in (core, matrix):
+        assert tests["skipped"] == tests["tests"], tests
+        assert all("CUDA" in reason for reason in tests["skip_reasons"]), tests["skip_reasons"]
     assert summary["kernels"]["device"].startswith("cpu (dry run") and len(summary["kernels"]["decode"]) == 4
     assert summary["throughput"]["skipped"] == "no CUDA GPU"
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["env.log", "tune.log", "pytest.log", "kernels.log", "throughput.log", "summary.json", "tuned_configs.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(  # the device tool brings back at most 8 files
+        ["env.log", "tune.log", "kernels.log", "pytest-core.log", "pytest-matrix.log", "throughput.log",
+         "summary.json", "tuned_configs.json"])

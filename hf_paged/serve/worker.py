@@ -250,6 +250,9 @@ class Worker:
         tag = self.next_tag
         self.next_tag += 1
         kv = {**kv, "tag": tag, "sent_at": time.time()}
+        # The message goes first: the peer posts its receive when it reads it, and NCCL sets up a pair's
+        # communicator lazily at its first send, which blocks until the receiver joins.
+        self.mailbox.send(peer_name, kv)
         if self.drop_transfers > 0 and self.drop_key in (None, key):  # test hook: the message goes, the data never
             self.drop_transfers -= 1
             self.drop_key = key
@@ -258,7 +261,6 @@ class Worker:
             self.sends[key] = transfer.send(key, buffer, peer, tag, meta=kv)
             self.num_sent_tensors += 1
         self.sends[key].meta["peer_name"] = peer_name
-        self.mailbox.send(peer_name, kv)
 
     def resend(self, message: dict) -> None:
         key = message["key"]

@@ -283,7 +283,9 @@ class CudaGraphCapture:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: CUDA calls of other threads (a server's, the disaggregated workers' transfer
+        # watchers) neither join nor invalidate this capture.
+        with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             output = forward()
         return CapturedGraph(graph.replay, output, graph)
 

@@ -344,9 +344,9 @@ def decode_configs(key: TuningKey, shared_memory: int = DEFAULT_SHARED_MEMORY) -
     """The pruned candidates of a decode key, `heuristic_config` first.
 
     Candidates are DECODE_BLOCK_N x DECODE_NUM_WARPS, each with the num_stages `_num_stages` gives
-    its BLOCK_N. num_stages is not searched: on Triton 3.9 / sm_90 the block-table gathers are not
-    software-pipelined, and num_stages 1 to 4 compile to the same cubin (checked with ptxas), so
-    searching it would only multiply the compile time. `tuning.tile_misfit` drops what cannot fit
+    its BLOCK_N. num_stages is not searched, to keep the search's compiles few: the block-table
+    gathers are not software-pipelined, and on sm_90 (ptxas, Triton 3.6 and 3.9) stages 3 and 4 give
+    the same cubin; stages 1 and 2 differ in registers, and are left to a wider search on a GPU. `tuning.tile_misfit` drops what cannot fit
     the shared memory, would spill registers, or leaves warps idle (at BLOCK_M 16, a BLOCK_N of 16
     feeds two warps at most).
 

@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,8 +85,11 @@ def tune(
     prefill_len: int,
     device: torch.device,
     kernels: tuple[str, ...] | list[str] = KERNELS,
+    after_each: Callable[[list[SearchResult]], None] | None = None,
 ) -> list[SearchResult]:
     """Search every key the listed workloads launch, afresh; returns the searches in order.
+    `after_each` gets the searches so far after every launch (the command writes them then, so a run
+    stopped at a time limit keeps what it measured).
 
     Decode runs `decode_seqs` sequences of `context` tokens for each query length in `query_lens`
     (1: decode; k + 1: a speculative verify step; lengths that give the same BLOCK_M share a key);
@@ -103,9 +107,13 @@ def tune(
                         for q_len in query_lens:
                             decode.paged_decode(**paged_batch(shape, decode_seqs, context, q_len, block_size, dtype,
                                                               device))
+                            if after_each is not None:
+                                after_each(search_results())
                     if "flash_prefill" in kernels:
                         prefill.flash_prefill(**paged_batch(shape, prefill_seqs, prefill_len, prefill_len,
                                                             block_size, dtype, device))
+                        if after_each is not None:
+                            after_each(search_results())
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
@@ -187,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda", torch.cuda.current_device())
     results = tune(args.models, dtypes, args.block_sizes, args.query_lens, args.decode_seqs, args.context,
-                   args.prefill_seqs, args.prefill_len, device, args.kernels)
+                   args.prefill_seqs, args.prefill_len, device, args.kernels,
+                   after_each=None if args.dry_run else lambda done: write_winners(args.out, done))
     _report(results)
     if not args.dry_run:
         write_winners(args.out, results)
