@@ -47,8 +47,11 @@ def test_batched_left_padded_parity(model_and_tokenizer):
 
 
 def test_one_at_a_time_parity(model_and_tokenizer):
+    """Unpadded, one prompt per call: the shortest, a middle and the longest chat prompt (the batched test
+    above runs all eight)."""
     model, tokenizer = model_and_tokenizer
-    for prompt in CHAT_PROMPTS:
+    by_length = sorted(CHAT_PROMPTS, key=len)
+    for prompt in (by_length[0], by_length[len(by_length) // 2], by_length[-1]):
         inputs = chat_inputs(tokenizer, [prompt])
         model.set_attn_implementation("sdpa")
         ref = _generate(model, inputs)

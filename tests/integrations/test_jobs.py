@@ -135,15 +135,23 @@ def _cli(model_dir, rows_path, out, *extra):
             "--output", str(out), "--max-new-tokens", "24", "--max-num-seqs", "2", *extra], env
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_records(model_dir, tmp_path, sig):
-    rows_path = _write_jsonl(tmp_path / "rows.jsonl", _rows())
-    full = tmp_path / "full.jsonl"
+@pytest.fixture(scope="module")
+def uninterrupted(model_dir, tmp_path_factory):
+    """The rows file and the records of one run of the batch job left to finish."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    rows_path = _write_jsonl(folder / "rows.jsonl", _rows())
+    full = folder / "full.jsonl"
     cmd, env = _cli(model_dir, rows_path, full)
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "row" in done.stderr and "hf_paged" in done.stderr  # the progress bar
     assert "197 rows written, 3 error records" in done.stdout
+    return rows_path, _records(full)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_records(model_dir, uninterrupted, tmp_path, sig):
+    rows_path, full_records = uninterrupted
     out = tmp_path / "resumed.jsonl"
     cmd, env = _cli(model_dir, rows_path, out)
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -159,4 +167,4 @@ def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_records(model_d
     cmd, env = _cli(model_dir, rows_path, out)
     again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert _records(out) == _records(full)
+    assert _records(out) == full_records
