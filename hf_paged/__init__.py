@@ -17,7 +17,7 @@ from .attention import ATTN_IMPLEMENTATION, paged_attention_forward
 from .attention import register as _register_attention
 from .config import PagedCacheConfig
 from .core import NoFreeBlocksError
-from .engine import AsyncEngine, Engine, RequestHandle, RequestOutput, StreamEvent
+from .engine import AsyncEngine, Engine, EngineClosedError, RequestHandle, RequestOutput, StreamEvent
 from .hf import PagedCache, attach, detach, invalidate
 from .spec_decode import layer_skip_draft
 from .worker import SamplingParams
@@ -48,6 +48,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "AsyncEngine",
     "Engine",
+    "EngineClosedError",
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",

@@ -209,7 +209,10 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING:
-            self.waiting.remove(request)
+            try:
+                self.waiting.remove(request)
+            except ValueError:  # ended before it was ever queued (an engine shutting down)
+                pass
         if request.status != RequestStatus.FINISHED:
             if keep_kv:
                 kept, request.seq = request.seq, KVSequence(seq_id=request.seq.seq_id, extra_key=request.seq.extra_key)

@@ -12,10 +12,10 @@ Drives `core` (scheduler), `worker` (forward, sampling) and `spec_decode` (draft
 transformers-facing glue that calls it lives in `integrations`.
 """
 
-from .async_engine import AsyncEngine
+from .async_engine import AsyncEngine, AsyncRequest
 from .delivery import RequestHandle
-from .engine import Engine
+from .engine import Engine, EngineClosedError
 from .metrics import EngineMetrics, RequestMetrics
 from .outputs import RequestOutput, StreamEvent
 
-__all__ = ["AsyncEngine", "Engine", "EngineMetrics", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]
+__all__ = ["AsyncEngine", "AsyncRequest", "Engine", "EngineClosedError", "EngineMetrics", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]

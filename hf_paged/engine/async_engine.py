@@ -8,18 +8,29 @@ to the event loop with `call_soon_threadsafe`, so coroutines never block on a fo
     async for event in engine.stream("Tell me a story", params):
         print(event.text, end="")
 
-Cancelling a coroutine (or leaving an `async for` early) aborts its request.
+Request set-up (checking, tokenising a string prompt, the detokenizer's stop strings) runs on an
+intake thread, never on the event loop, so one costly request cannot stall the others. A bad
+request raises ValueError/TypeError from `add_request` (or `generate` / `stream`) before anything
+is queued. Cancelling a coroutine (or leaving an `async for` early) aborts its request. After
+`shutdown()`, or once the engine's loop is no longer running, every call raises `EngineClosedError`
+at once, and a request already waiting gets its end (or that error): nothing waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from ..worker.sampling import SamplingParams
 from .delivery import Inbox
-from .engine import Engine
+from .engine import Engine, EngineClosedError
 from .outputs import RequestOutput, StreamEvent
+
+# How often a waiting request checks that the engine's loop is still alive (seconds). Outputs
+# arrive as they are produced; this only bounds how long a request waits on a loop that is gone.
+LIVENESS_POLL_SECONDS = 1.0
 
 
 class AsyncEngine:
@@ -37,40 +48,169 @@ class AsyncEngine:
         else:
             self.engine = Engine(engine_or_model, tokenizer, **engine_kwargs)
         self.engine.start()
+        self._closed = False
+        # One intake thread: requests are set up in arrival order (encoding under the engine's
+        # `tokenizer_lock`), none of it on the event loop.
+        self._intake = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_paged-intake")
 
     async def generate(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> RequestOutput:
-        """The finished output of one request."""
-        final = None
-        async for _, output in self._items(prompt, sampling_params, request_id, wants_tokens=False):
-            final = output
-        return final
+        """The finished output of one request.
+
+        Raises:
+            ValueError/TypeError: the request is malformed (nothing was queued).
+            EngineClosedError: the engine was shut down, or its loop stopped.
+        """
+        request = await self.add_request(prompt, sampling_params, request_id, stream=False)
+        return await request.result()
 
     async def stream(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[StreamEvent]:
-        """Each `StreamEvent` of one request, as it is produced; the last carries its finish_reason."""
-        async for event, _ in self._items(prompt, sampling_params, request_id, wants_tokens=True):
-            if event is not None:
-                yield event
+        """Each `StreamEvent` of one request, as it is produced; the last carries its finish_reason.
 
-    async def _items(self, prompt, sampling_params, request_id, wants_tokens: bool):
+        Raises:
+            ValueError/TypeError: the request is malformed (nothing was queued).
+            EngineClosedError: the engine was shut down, or its loop stopped.
+        """
+        request = await self.add_request(prompt, sampling_params, request_id, stream=True)
+        async for event in request.events():
+            yield event
+
+    async def add_request(self, prompt: str | Sequence[int], sampling_params: SamplingParams | None = None,
+                          request_id: str | None = None, *, stream: bool = True) -> "AsyncRequest":
+        """Check and queue one request; its outputs come from the returned `AsyncRequest`.
+
+        Args:
+            stream: deliver every token as a `StreamEvent` (text included); else only the end.
+
+        Raises:
+            ValueError/TypeError: the request is malformed (nothing was queued).
+            EngineClosedError: the engine was shut down, or its loop stopped.
+        """
+        self._check_open()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        inbox = Inbox(wants_tokens=wants_tokens, on_item=lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
-        request_id = self.engine.add_owned_request(prompt, sampling_params, request_id, inbox, 0, streamed=wants_tokens)
-        finished = False
+
+        def deliver(item) -> None:  # on the engine's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody is waiting for it
+                pass
+
+        inbox = Inbox(wants_tokens=stream, on_item=deliver)
+        add = functools.partial(self.engine.add_owned_request, prompt, sampling_params, request_id, inbox, 0,
+                                streamed=stream)
+        future = loop.run_in_executor(self._intake, add)
         try:
-            while not finished:
-                event, final = await queue.get()
-                finished = final is not None
-                yield event, final
-        finally:
-            if not finished:
-                await asyncio.to_thread(self.engine.abort, request_id)
+            request_id = await asyncio.shield(future)
+        except asyncio.CancelledError:  # its caller left while it was being queued: abort it once queued
+            future.add_done_callback(self._abort_orphan)
+            raise
+        return AsyncRequest(self, request_id, queue)
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         return await asyncio.to_thread(self.engine.abort, request_id)
 
     async def shutdown(self, drain: bool = True) -> None:
-        """Stop the engine's loop (after finishing its requests, or aborting them)."""
-        await asyncio.to_thread(self.engine.stop, drain)
+        """Stop for good: new calls raise `EngineClosedError` at once; the requests in flight finish
+        (`drain`) or are aborted, and their owners get their ends."""
+        self._closed = True
+        try:
+            # Intakes already submitted finish first: each then ends with the engine (its owner is told).
+            await asyncio.to_thread(self._intake.shutdown, True)
+            await asyncio.to_thread(self.engine.shutdown, drain)
+        finally:
+            self._intake.shutdown(wait=False)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed or self.engine.is_closed
+
+    def _check_open(self) -> None:
+        if self.is_closed:
+            raise EngineClosedError("this AsyncEngine was shut down; create a new one")
+        if not self.engine.is_running():
+            raise EngineClosedError("the engine's background loop is not running (stopped or failed); "
+                                    "AsyncEngine needs it: call engine.start() or create a new AsyncEngine")
+
+    def _abort_orphan(self, future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            asyncio.get_running_loop().run_in_executor(None, self.engine.abort, future.result())
+
+
+class AsyncRequest:
+    """One queued request of an `AsyncEngine`: iterate over its `events()` (a stream) or await its
+    `result()`. Leaving either early (cancelled, or breaking out of the loop) aborts the request.
+
+    Attributes:
+        request_id: the request's id.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_id: str, queue: asyncio.Queue):
+        self._engine = engine
+        self.request_id = request_id
+        self._queue = queue
+        self._final: RequestOutput | None = None
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Each `StreamEvent` of the request, in order; the last one carries its finish_reason.
+
+        Raises:
+            EngineClosedError: the engine's loop stopped without ending this request.
+        """
+        async for event, _ in self._items():
+            if event is not None:
+                yield event
+
+    async def result(self) -> RequestOutput:
+        """The finished `RequestOutput` (finish_reason "stop", "length", "abort" or "error").
+
+        Raises:
+            EngineClosedError: the engine's loop stopped without ending this request.
+        """
+        async for _ in self._items():
+            pass
+        return self._final
+
+    @property
+    def finished(self) -> bool:
+        """Whether its final output arrived (it ended: finished, aborted or failed)."""
+        return self._final is not None
+
+    async def abort(self) -> None:
+        """Stop the request if it has not ended (from any task)."""
+        if self._final is None:
+            await self._engine.abort(self.request_id)
+
+    async def _items(self):
+        loop_gone = False
+        try:
+            while self._final is None:
+                try:
+                    event, final = await self._next()
+                except EngineClosedError:
+                    loop_gone = True
+                    raise
+                if final is not None:
+                    self._final = final
+                yield event, final
+        finally:
+            if self._final is None:
+                if loop_gone:  # an abort may wait on a wedged loop: it is sent, not awaited
+                    asyncio.get_running_loop().run_in_executor(None, self._engine.engine.abort, self.request_id)
+                else:
+                    await self.abort()
+
+    async def _next(self):
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), LIVENESS_POLL_SECONDS)
+            except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
+                if self._engine.engine.is_running():
+                    continue
+            # The loop is gone: what it delivered before it stopped is already scheduled on this loop.
+            try:
+                return await asyncio.wait_for(self._queue.get(), LIVENESS_POLL_SECONDS)
+            except (TimeoutError, asyncio.TimeoutError):
+                raise EngineClosedError(f"the engine's loop stopped without ending request {self.request_id!r}") \
+                    from None

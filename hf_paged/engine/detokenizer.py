@@ -18,16 +18,19 @@ The context tokens keep spaces right: SentencePiece (Metaspace) decoders drop th
 the first token they decode, so a token is always decoded after the one before it, and the first
 generated token after the last prompt tokens.
 
-How text becomes a delta (stop strings)::
+How text becomes a delta (stop strings, `StopStringMatcher`)::
 
     decoded text:  "... shown text ... | held |"    held: the longest suffix that is a proper
                                                     prefix of some stop string ("Hel" for "Hello")
 
-The held tail is shown as soon as the next text rules the stop string out, or by `finish()`.
+The held tail is shown as soon as the next text rules the stop string out, or by `finish()`. Each
+new character is fed once to a KMP automaton per stop string, so the check is linear in the text
+and in the stop strings' length, however long or self-overlapping they are ("aaaa", "abab...abx").
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -64,6 +67,94 @@ def find_stop_string(text: str, stop_strings: Sequence[str], start: int = 0) -> 
     return None if best is None else (best[0] + best[1], best[2])
 
 
+def _prefix_function(s: str) -> array:
+    """KMP's prefix function: entry i is the length of the longest proper prefix of `s[:i + 1]`
+    that is also its suffix. O(len(s)) time, 4 bytes per character."""
+    border = array("i", [0]) * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[k] != s[i]:
+            k = border[k - 1]
+        if s[k] == s[i]:
+            k += 1
+        border[i] = k
+    return border
+
+
+class StopStringMatcher:
+    """Cuts a text that arrives in pieces before its first stop string, holding back what may become one.
+
+    Keeps one KMP automaton per stop string: its state is the length of the longest prefix of the stop
+    string that ends the text pushed so far, and a stop string matches when its state reaches its
+    length. The held tail is the longest state's prefix, so it is a slice of a stop string, never
+    stored::
+
+        pushed:  "... shown ... |aba|"    stops "abab" (state 3) and "aab" (state 1): "aba" is held
+        pushed:  "x"                      both states fall to 0: "abax" is shown
+
+    Costs O(total stop length) time and memory to build, and amortised O(1) per pushed character and
+    stop string (each character is pushed once; a state falls back at most as often as it rose).
+    The first match is `find_stop_string`'s: the one that ends first, for equal ends the longer.
+
+    Args:
+        stop_strings: non-empty stop strings.
+    """
+
+    def __init__(self, stop_strings: Sequence[str]):
+        self.stop_strings = tuple(stop_strings)
+        self.stop_hit: str | None = None  # the stop string that matched
+        self._borders = [_prefix_function(s) for s in self.stop_strings]
+        self._states = [0] * len(self.stop_strings)
+        self._held_index = 0  # the held tail is stop_strings[_held_index][:_num_held]
+        self._num_held = 0
+
+    def push(self, text: str) -> str:
+        """Appends `text`; returns the part now safe to show: the text before the held tail, or
+        before the stop string once one matches (`stop_hit` is then set, and later pushes return "")."""
+        if self.stop_hit is not None:
+            return ""
+        held_stop, num_held = self.stop_strings[self._held_index], self._num_held
+        match = self._advance(text)
+        if match is None:
+            self._held_index = max(range(len(self._states)), key=self._states.__getitem__)
+            self._num_held = self._states[self._held_index]
+            num_shown = num_held + len(text) - self._num_held
+        else:
+            end, self.stop_hit = match
+            num_shown = num_held + end - len(self.stop_hit)  # >= 0: a match begins in held + text
+            self._num_held = 0
+        # The first num_shown characters of held + text, without copying what stays held.
+        return held_stop[: min(num_shown, num_held)] + text[: max(num_shown - num_held, 0)]
+
+    def flush(self) -> str:
+        """Ends the text: returns the held tail ("" after a match), which can no longer become a stop string."""
+        held = self.stop_strings[self._held_index][: self._num_held]
+        self._states = [0] * len(self._states)
+        self._num_held = 0
+        return held
+
+    def _advance(self, text: str) -> tuple[int, str] | None:
+        """Feeds `text` to every automaton; returns `(end, stop)` of the first match, `end` being the
+        index in `text` right after it, or None."""
+        first: tuple[int, str] | None = None
+        for j, stop in enumerate(self.stop_strings):
+            state = self._states[j]
+            if not state and stop[0] not in text:
+                continue  # the common case, at C speed: the state stays 0
+            border = self._borders[j]
+            for end, char in enumerate(text, 1):
+                while state and stop[state] != char:
+                    state = border[state - 1]
+                if stop[state] == char:
+                    state += 1
+                    if state == len(stop):  # this stop's first match in text
+                        if first is None or (end, -len(stop)) < (first[0], -len(first[1])):
+                            first = (end, stop)
+                        break
+            self._states[j] = state
+        return first
+
+
 class IncrementalDetokenizer:
     """Streams one request's generated tokens as text deltas, and cuts it at a stop string.
 
@@ -79,7 +170,8 @@ class IncrementalDetokenizer:
     * Each `add()` makes at most two `decode` calls, on a window of the last shown step's tokens
       (the prompt context at first) and the pending ones: for valid UTF-8 at most
       `NUM_PROMPT_CONTEXT_TOKENS + 4` ids, and never more than `2 * (MAX_PENDING_TOKENS + 1)`.
-      The stop-string scan covers the new text and the held tail (under the longest stop).
+      The stop-string check feeds each new character once to `StopStringMatcher`: amortised
+      O(1) per character and stop string, and O(total stop length) memory and set-up.
 
     After `finish()`, `text` equals `tokenizer.decode(ids, skip_special_tokens=...,
     clean_up_tokenization_spaces=False)` cut before the stop string, for byte-level BPE tokenizers
@@ -134,8 +226,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self._decode_kwargs: dict | None = None
         self.stop_strings = stops
-        self._max_stop_len = max(map(len, stops), default=0)
-        self._stop_prefixes = frozenset(s[:k] for s in stops for k in range(1, len(s)))
+        self._stops = StopStringMatcher(stops) if stops else None
         self._skipped = self._skipped_ids() if skip_special_tokens else frozenset()
 
         context = [int(t) for t in prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:]]
@@ -148,7 +239,6 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)  # in the window
         self._prefix_text = context_text  # decode(window[:read_offset])
 
-        self._held = ""  # decoded, not shown: a possible stop-string prefix
         self._chunks: list[str] = []  # the deltas shown so far
         self._stop_hit: str | None = None
         self._is_finished = False
@@ -215,9 +305,8 @@ class IncrementalDetokenizer:
         if self._read_offset < len(self._window):
             delta = self._advance(self._decode(self._window))
         out = self._push(delta)
-        if self._stop_hit is None and self._held:
-            out += self._emit(self._held)
-            self._held = ""
+        if self._stops is not None:
+            out += self._emit(self._stops.flush())  # "" after a match
         return out
 
     def _advance(self, new_text: str) -> str:
@@ -230,28 +319,11 @@ class IncrementalDetokenizer:
 
     def _push(self, delta: str) -> str:
         """Runs newly decoded text through the stop-string check; returns what may be shown."""
-        if not self.stop_strings:
+        if self._stops is None or not delta:
             return self._emit(delta)
-        if not delta:
-            return ""
-        # A match cannot begin in shown text (it would have been held), so only the held tail and
-        # the new text are scanned.
-        text = self._held + delta
-        match = find_stop_string(text, self.stop_strings)
-        if match is not None:
-            self._stop_hit = match[1]
-            self._held = ""
-            return self._emit(text[: match[0]])
-        num_held = self._num_stop_prefix_chars(text)
-        self._held = text[len(text) - num_held:]
-        return self._emit(text[: len(text) - num_held])
-
-    def _num_stop_prefix_chars(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-        for k in range(min(len(text), self._max_stop_len - 1), 0, -1):
-            if text[-k:] in self._stop_prefixes:
-                return k
-        return 0
+        shown = self._stops.push(delta)
+        self._stop_hit = self._stops.stop_hit
+        return self._emit(shown)
 
     def _emit(self, delta: str) -> str:
         if delta:

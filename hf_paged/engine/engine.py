@@ -62,6 +62,11 @@ class RequestError(ValueError):
     """A failure that belongs to one request and will not go away on a retry (NaN logits)."""
 
 
+class EngineClosedError(RuntimeError):
+    """A call on an engine that can no longer serve it: shut down (`Engine.shutdown`), or, for
+    `AsyncEngine`, one whose background loop is not running."""
+
+
 class _Group:
     """The `n` samples of one request. Sample 0 is the request itself; it runs alone until its prompt
     is computed, then the others fork from it (sharing every block, copy-on-write)."""
@@ -193,6 +198,9 @@ class Engine:
         self.tokenizer = tokenizer
         text = model.config.get_text_config(decoder=True)
         self.max_model_len = max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
+        # Held while encoding (prompts here, chat templates in the server): a fast tokenizer whose
+        # settings change on an encode (truncation, padding) must not be written from two threads.
+        self.tokenizer_lock = threading.Lock()
         if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -244,6 +252,7 @@ class Engine:
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._stop_mode: str | None = None
+        self._closed = False  # `shutdown()`: every later call raises EngineClosedError
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | SequenceABC[int], sampling_params: SamplingParams | None = None,
@@ -291,13 +300,18 @@ class Engine:
                 (penalties, positions, `max_new_tokens`, text), and returns them as its first output
                 tokens. Their logprobs are not known here. Needs n = 1.
         """
+        self._check_open()
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.validate(self.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
-        prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        if isinstance(prompt, str):
+            with self.tokenizer_lock:
+                prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        else:
+            prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
         resume = [int(t) for t in resume_tokens]
         if resume:
             if params.n != 1:
@@ -392,6 +406,12 @@ class Engine:
     def _apply(self, command: tuple) -> None:
         if command[0] == "add":
             tracked = command[1]
+            if self._closed:  # it passed the check as `shutdown()` ran: it ends at once
+                prefix, tracked.kv_prefix = tracked.kv_prefix, None
+                if prefix is not None:
+                    self.free_kv([prefix])
+                self._fail(tracked, EngineClosedError("the engine was shut down before this request was queued"))
+                return
             prefix, tracked.kv_prefix = tracked.kv_prefix, None
             if prefix is not None and self._held.get(prefix.seq_id) is prefix:
                 del self._held[prefix.seq_id]
@@ -494,6 +514,7 @@ class Engine:
                 fixed pool without room. Nothing is stored then.
         """
         with self._lock:
+            self._check_open()
             self._note_weights()  # salted with the current weights epoch, as a request admitted now would be
             seq = self.cache.import_tokens(list(token_ids), kv)
             self._held[seq.seq_id] = seq
@@ -539,8 +560,12 @@ class Engine:
         `step()` carries on (recomputing them). If one request fails after the forward, that request
         alone is rolled back and retried. A request failing `MAX_STEP_FAILURES` times, or one with NaN
         logits, ends with finish_reason "error" and its `.error`. `generate`, `stream`, handles and
-        the background loop log step failures and keep going."""
+        the background loop log step failures and keep going.
+
+        Raises:
+            EngineClosedError: the engine was shut down."""
         with self._lock:
+            self._check_open()
             self._apply_inbox()
             began = time.perf_counter()
             failure = self._step()
@@ -734,8 +759,9 @@ class Engine:
             if tracked.pending_text and deltas:
                 deltas[0] = tracked.pending_text + deltas[0]
         # Committed from here on: nothing below raises for a well-formed request.
-        events = [StreamEvent(tracked.public_id, tracked.index, token, delta, None, tracked.sample_index)
-                  for token, delta in zip(kept, deltas or [None] * len(kept))]
+        events = [StreamEvent(tracked.public_id, tracked.index, token, delta, None, tracked.sample_index,
+                              out.logprobs[j] if tracked.logprobs is not None else None)
+                  for j, (token, delta) in enumerate(zip(kept, deltas or [None] * len(kept)))]
         if deltas:
             tracked.pending_text = ""
         for j, event in enumerate(events):
@@ -1056,7 +1082,11 @@ class Engine:
         (a `datasets.Dataset`, or a list of dicts) and each row's `column` is its prompt.
         `kv_prefixes` (one per prompt) and `retain_kv`: see `add_owned_request`; collect what was kept
         with `kept_kv(request_id)`.
+
+        Raises:
+            EngineClosedError: the engine was shut down.
         """
+        self._check_open()
         if column is not None:
             names = getattr(prompts, "column_names", None)
             if names is not None and column not in names:
@@ -1110,6 +1140,7 @@ class Engine:
 
         Invalid prompts raise before anything runs. Closing the iterator early aborts the requests
         it started (their blocks are freed). `kv_prefixes`, `retain_kv`: as for `generate`."""
+        self._check_open()
         prompts = as_prompt_list(prompts)
         params = as_params_list(sampling_params, len(prompts))
         prefixes = _prefix_list(kv_prefixes, len(prompts))
@@ -1131,6 +1162,7 @@ class Engine:
         """Run the step loop in a background thread, so that `submit` handles, `stream` and `generate`
         from any thread are served without driving steps themselves. Idempotent; returns self."""
         with self._lock:
+            self._check_open()
             if self.is_running():
                 return self
             self._stop_mode = None
@@ -1154,6 +1186,40 @@ class Engine:
             raise TimeoutError(f"the engine loop did not stop within {timeout} s")
         self._thread = None
 
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop for good: finish (`drain`) or abort every request, stop the background loop, and free
+        the sequences kept for callers. Every later call that would queue or run work (`add_request`,
+        `submit`, `generate`, `stream`, `step`, `start`, `import_kv`) raises `EngineClosedError` at
+        once. Idempotent.
+
+        Raises:
+            TimeoutError: the loop did not stop within `timeout` seconds (nothing is shut down).
+        """
+        if self._closed:
+            return
+        self.stop(drain, timeout)
+        with self._lock:
+            if drain:  # no loop ran them: step here until they end (a failing step ends them too)
+                while self.has_unfinished_requests():
+                    self._apply_inbox()
+                    self.advance()
+            self._closed = True
+            self._apply_inbox()  # commands handed over as the loop stopped: queued requests end here
+            for tracked in list(self._requests.values()):
+                self._finish(tracked, "abort")
+            self._evict_kept()
+            groups, self._finished_groups = list(self._finished_groups.values()), {}
+            self.free_kv(seq for group in groups for seq in group.kept)
+
+    @property
+    def is_closed(self) -> bool:
+        """Whether `shutdown()` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this Engine was shut down (Engine.shutdown); create a new one")
+
     def is_running(self) -> bool:
         """Whether the background loop is running."""
         thread = self._thread
@@ -1162,8 +1228,19 @@ class Engine:
     def _loop(self) -> None:
         try:
             self._run_loop()
-        except BaseException:
+        except BaseException as exc:
             logger.exception("hf_paged: the engine loop stopped")
+            error = exc if isinstance(exc, Exception) else RuntimeError(f"the engine loop stopped: {exc!r}")
+            with self._lock:  # nothing waits silently on a loop that is gone: every owner gets its end
+                try:
+                    self._apply_inbox()  # requests handed over as it died are queued first, then ended
+                except Exception:  # noqa: BLE001 - what it could not apply is still ended below
+                    logger.exception("hf_paged: applying the last commands failed")
+                for tracked in list(self._requests.values()):
+                    try:
+                        self._fail(tracked, error)
+                    except Exception:  # noqa: BLE001 - one request's end must not keep the others waiting
+                        logger.exception("hf_paged: ending request %r failed", tracked.public_id)
             raise
 
     def _run_loop(self) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Sequence as SequenceABC
 
 import torch
 
+from ..text import refuse_lone_surrogates
 from ..worker.sampling import SamplingParams
 
 
@@ -19,6 +20,7 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise TypeError("a string prompt needs a tokenizer: pass tokenizer= to the Engine, or token ids")
+        refuse_lone_surrogates(prompt, "the prompt")  # no tokenizer encodes one (fast ones raise a TypeError)
         ids = tokenizer(prompt)["input_ids"]
     elif torch.is_tensor(prompt):
         if prompt.dim() != 1:

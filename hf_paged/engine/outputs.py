@@ -96,6 +96,8 @@ class StreamEvent:
             sample's events join to its final text.
         finish_reason: set on the sample's last event (exactly one per sample).
         sample_index: which of the request's `n` samples the token belongs to.
+        logprobs: with `SamplingParams.logprobs=k`, the new token's `TokenLogprobs` (None otherwise,
+            and on an end event that carries no token).
     """
 
     request_id: str
@@ -104,3 +106,4 @@ class StreamEvent:
     text: str | None
     finish_reason: str | None
     sample_index: int = 0
+    logprobs: TokenLogprobs | None = None

@@ -90,6 +90,7 @@ class EngineCall:
     streamer: object
     criteria: StoppingCriteriaList | None
     passed: ReturnedCache | None
+    paddings: list[set[int]]  # each row's padding ids (`_paddings`)
 
     @property
     def width(self) -> int:
@@ -242,7 +243,8 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if passed is not None and passed.continuation_prefixes(None, input_ids, attention_mask, rows) is None:
         logger.debug("hf_paged: stock generate serves this call (it does not extend the cache passed in)")
         return None
-    if _padding_visible_to_processors(params, rows, width, pad, before_run=True):
+    paddings = _paddings(input_ids, rows)
+    if _padding_visible_to_processors(params, paddings, rows, before_run=True):
         logger.debug("hf_paged: stock generate serves this call (its processors see the left padding)")
         return None
     if params.output_scores:
@@ -277,7 +279,7 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         return None
     return EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
                       rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
-                      streamer=streamer, criteria=criteria, passed=passed)
+                      streamer=streamer, criteria=criteria, passed=passed, paddings=paddings)
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):
@@ -288,8 +290,9 @@ def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: l
     input_ids, attention_mask, passed, n = call.input_ids, call.attention_mask, call.passed, params.n
     kept = _kept_rows(engine, request_ids, rows, samples, n) if call.retain else None
     sample_rows = [rows[i // n] for i in range(len(samples))]
-    if _padding_visible_to_processors(params, sample_rows, width, pad, before_run=False,
-                                      generated=[s.token_ids for s in samples]):
+    paddings = call.paddings
+    if _padding_visible_to_processors(params, [paddings[i // n] for i in range(len(samples))], sample_rows,
+                                      before_run=False, generated=[s.token_ids for s in samples]):
         logger.debug("hf_paged: stock generate serves this call (its n-gram processor sees the left padding)")
         if kept is not None:
             engine.free_kv(kept)
@@ -440,30 +443,49 @@ def _left_padded_rows(input_ids: torch.Tensor, attention_mask) -> list[list[int]
     return [row[len(row) - n:] for row, n in zip(ids, num_real.tolist())]
 
 
-def _padding_visible_to_processors(params, rows: list[list[int]], width: int, pad: int, before_run: bool,
+def _paddings(input_ids: torch.Tensor, rows: list[list[int]]) -> list[set[int]]:
+    """Each row's padding ids: the `input_ids` under its attention mask's zeros (the left columns
+    `_left_padded_rows` cut off), whatever `pad_token_id` says. Stock's processors see these ids."""
+    width = input_ids.shape[1]
+    padded = [i for i, r in enumerate(rows) if len(r) < width]
+    ids = input_ids[padded].tolist() if padded else []
+    found = [set() for _ in rows]
+    for i, row_ids in zip(padded, ids):
+        found[i] = set(row_ids[: width - len(rows[i])])
+    return found
+
+
+def _padding_visible_to_processors(params, paddings: list[set[int]], rows: list[list[int]], before_run: bool,
                                    generated: list[list[int]] | None = None) -> bool:
     """Whether stock's processors could treat a row's left padding as tokens where the engine (which
-    never sees it) does not. Stock hands its processors the padded `input_ids`; two of them read it
-    (the repetition penalty skips the padding, `prompt_ignore_length`):
+    never sees it) does not. Stock hands its processors the padded `input_ids`, so they see each row's
+    own padding ids (`paddings`, from `_paddings`: the ids under the mask, which need not be
+    `pad_token_id`, and may differ from row to row and within a row); two of them read it (the
+    repetition penalty skips the padding, `prompt_ignore_length`):
 
     * `bad_words_ids`: a multi-token word is matched against the last tokens, pads included, so a word
-      whose prefix holds the pad id can match a short row's padding (checked before the run);
-    * `no_repeat_ngram_size`: n-grams run over the padding too. Size 1 bans the pad id from the first
-      step (checked before the run). Larger sizes: an n-gram starting in the padding has the pad id
-      first, so it can only match the row's last tokens when the pad id occurs among the row's own
-      tokens before the last step (prompt or generated); checked after the run, on what was generated.
+      whose prefix holds one of a padded row's padding ids can match that row's padding (checked
+      before the run);
+    * `no_repeat_ngram_size`: n-grams run over the padding too. Size 1 bans the padding ids from the
+      first step (checked before the run, for any padded row). Larger sizes: an n-gram starting in the
+      padding has a padding id first, so it can only match the row's last tokens when one of the row's
+      padding ids occurs among its own tokens before the last step (prompt or generated); checked after
+      the run, on what was generated.
+
+    Conservative: True where stock might differ, not only where it does.
     """
-    padded = [len(r) < width for r in rows]
-    if not any(padded):
+    if not any(paddings):
         return False
     size = params.no_repeat_ngram_size
     if before_run:
         if size == 1:
             return True
-        return any(len(w) > 1 and pad in w[:-1] for w in params.bad_words_ids or ())
+        return any(len(w) > 1 and not pads.isdisjoint(w[:-1])
+                   for pads in paddings if pads for w in params.bad_words_ids or ())
     if size < 2:
         return False
-    return any(p and (pad in row or pad in gen[:-1]) for p, row, gen in zip(padded, rows, generated))
+    return any(pads and not (pads.isdisjoint(row) and pads.isdisjoint(gen[:-1]))
+               for pads, row, gen in zip(paddings, rows, generated))
 
 
 _ENGINE_ATTR = "_hf_paged_engine"  # the model's `_EngineSlot`

@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 
 from ..config import MAX_SPECULATIVE_TOKENS
 from ..engine.inputs import as_token_id_list
-from ..worker.sampling import SamplingParams
+from ..worker.sampling import SAMPLING_EPS, SamplingParams
 
 # Fields mapped onto SamplingParams / the engine's call (see `sampling_params_from`).
 HONOURED = frozenset({
@@ -131,6 +131,10 @@ def sampling_params_from(gc: GenerationConfig, input_width: int, vocab_size: int
         if gc.temperature is not None and gc.temperature <= 0:
             return f"do_sample with temperature={gc.temperature}"
         temperature = float(gc.temperature if gc.temperature is not None else 1.0)
+        if temperature < SAMPLING_EPS:
+            # The engine would decode greedily (its rule for tiny temperatures); stock samples from
+            # logits / temperature (or, where that overflows, from NaNs): its scores and its draws differ.
+            return f"do_sample with temperature={gc.temperature} (below {SAMPLING_EPS:g}, greedy in the engine)"
         top_k, top_p = int(gc.top_k or 0), float(gc.top_p if gc.top_p is not None else 1.0)
         if gc.min_p is not None:  # stock's MinPLogitsWarper (a warper: sampling only)
             if not _is_number(gc.min_p) or not 0 <= gc.min_p <= 1:

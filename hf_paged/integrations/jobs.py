@@ -3,17 +3,23 @@ finish, resumable (`hf-paged generate --input ... --output ...`).
 
 * Input: a `.jsonl`, `.json` (a list of objects), `.csv` or `.parquet` file, or a folder written by
   `datasets.Dataset.save_to_disk`; the prompt is the row's `column` (a string, or with `chat=True`
-  a user message, or a list of chat messages, rendered with the tokenizer's chat template).
+  a user message, or a list of chat messages, rendered with the tokenizer's chat template). Text
+  files are UTF-8, with or without a byte-order mark. A `.jsonl` row is a line that is not blank;
+  a `.csv` row is a record after the header.
 * Output: one JSON line per row, `{"index", "prompt", "completion", "token_ids", "finish_reason",
-  "error"}`, appended (and flushed) the moment the row finishes, in finishing order.
+  "error"}`, appended (and flushed) the moment the row finishes, in finishing order. A record whose
+  text will not encode as UTF-8 (a lone surrogate, from a `"\\ud800"` escape in the input) is
+  written with ASCII escapes, so writing a record never fails.
 * Resume: rows whose index is already in the output are skipped, so a run that was interrupted
   (Ctrl-C, SIGTERM, SIGKILL, a crash) and started again ends with exactly one record per row; a
   last line cut short by a kill is dropped first. A row's result does not depend on the rows run
   beside it (greedy, or sampling seeded per row: `seed + index`), so a resumed run writes what an
   uninterrupted one would.
-* A bad row (no prompt, empty, too long, not text) gets a record with `error` set; the job goes on.
-  A row the engine failed on (a step that kept failing) gets one too, marked `"retry": true`: a
-  rerun replaces it with the row's result.
+* A bad row gets a record with `error` set and `finish_reason` "error"; the job goes on. Bad rows
+  are a line that is not valid UTF-8 or not JSON, a `.csv` record with bytes that are not UTF-8,
+  and a prompt that is missing, empty, too long, not text, holds a lone surrogate, or is refused
+  by the chat template. A row the engine failed on (a step that kept failing) gets one too,
+  marked `"retry": true`: a rerun replaces it with the row's result.
 * Every row runs through one `Engine`, at most `max_in_flight` rows queued at a time, with a tqdm
   progress bar (rows, and generated tokens per second).
 """
@@ -26,6 +32,7 @@ import dataclasses
 import logging
 import os
 import queue
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -33,6 +40,7 @@ from pathlib import Path
 
 from ..engine import Engine
 from ..engine.delivery import Inbox
+from ..text import refuse_lone_surrogates
 from ..worker import SamplingParams
 from .optional import require
 
@@ -44,8 +52,14 @@ INPUT_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 def read_rows(path: str | os.PathLike) -> Iterator[dict]:
     """The rows of a dataset file or saved `datasets` folder, as dicts, in order.
 
+    A leading UTF-8 byte-order mark is skipped. A row that cannot be read (a `.jsonl` line that is
+    not valid UTF-8 or not JSON, a `.csv` record holding bytes that are not UTF-8 or one the csv
+    reader refuses) comes as `{"__error__": reason}` in its place, so the row numbers, which resume
+    relies on, are the same on every run.
+
     Raises:
-        ValueError: an unknown file type; ImportError: parquet or a saved dataset without `datasets`.
+        ValueError: an unknown file type, or a `.json` file that is not a JSON list; ImportError: parquet
+            or a saved dataset without `datasets`.
     """
     path = Path(path)
     if path.is_dir():
@@ -53,28 +67,62 @@ def read_rows(path: str | os.PathLike) -> Iterator[dict]:
         yield from dataset
         return
     suffix = path.suffix.lower()
+    # Bytes that are not UTF-8 decode to lone surrogates U+DC80..U+DCFF (surrogateescape), which strict
+    # UTF-8 never produces, so one bad byte costs its own row, not the job.
     if suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
             for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError:
-                        yield {"__error__": f"line {n} is not valid JSON"}
+                if not line.strip():
+                    continue
+                if (bad := _escaped_byte(line)) is not None:
+                    yield {"__error__": f"line {n} is not valid UTF-8 ({bad})"}
+                    continue
+                try:
+                    yield json.loads(line)
+                except (json.JSONDecodeError, RecursionError):
+                    yield {"__error__": f"line {n} is not valid JSON"}
     elif suffix == ".json":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
+            data = json.load(f)  # a string with a byte that is not UTF-8 holds a lone surrogate: prompt_of refuses it
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json input must hold a list of objects")
         yield from data
     elif suffix == ".csv":
-        with open(path, encoding="utf-8", newline="") as f:
-            yield from csv.DictReader(f)
+        with open(path, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+            reader = csv.DictReader(f)
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    return
+                except csv.Error as exc:  # e.g. a field over csv.field_size_limit(); the reader goes on
+                    yield {"__error__": f"the csv record after line {reader.line_num} is refused: {exc}"}
+                    continue
+                bad = _csv_escaped_byte(row)
+                yield row if bad is None else {"__error__": f"line {reader.line_num} is not valid UTF-8 ({bad})"}
     elif suffix == ".parquet":
         yield from _datasets("parquet input").Dataset.from_parquet(str(path))
     else:
         raise ValueError(f"{path}: unknown input type {suffix!r}; use one of {', '.join(INPUT_SUFFIXES)} or a folder "
                          "written by datasets.Dataset.save_to_disk")
+
+
+def _escaped_byte(text: str) -> str | None:
+    """Where `text`, decoded with surrogateescape, holds a byte that is not UTF-8, or None."""
+    match = _ESCAPED_BYTE.search(text)
+    return None if match is None else f"byte 0x{ord(match[0]) - 0xDC00:02x} at character {match.start() + 1}"
+
+
+def _csv_escaped_byte(row: dict) -> str | None:
+    """Where a csv row's values hold a byte that is not UTF-8, or None."""
+    for key, value in row.items():
+        for v in value if isinstance(value, list) else [value]:  # key None: the fields past the header's
+            if isinstance(v, str) and (where := _escaped_byte(v)) is not None:
+                return f"{where} of column {key!r}" if key is not None else f"{where} of a field past the header"
+    return None
+
+
+_ESCAPED_BYTE = re.compile("[\udc80-\udcff]")
 
 
 def _datasets(what: str):
@@ -123,23 +171,32 @@ def prompt_of(row: dict, column: str, tokenizer, chat: bool):
     """The row's prompt as token ids (chat-templated with `chat`).
 
     Raises:
-        ValueError/TypeError: no such column, an empty prompt, or one of the wrong type.
+        ValueError/TypeError: an unreadable row (`read_rows`), no such column, an empty prompt, one of
+            the wrong type, one holding a lone surrogate (no tokenizer can encode it), or chat messages
+            the chat template refuses.
     """
     if "__error__" in row:
         raise ValueError(row["__error__"])
     if column not in row:
-        raise ValueError(f"the row has no column {column!r} (it has {sorted(row)})")
+        raise ValueError(f"the row has no column {column!r} (it has {sorted(row, key=str)})")
     value = row[column]
     if chat:
         messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise TypeError(f"column {column!r} must hold a string or a list of chat messages, got {value!r:.80}")
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        refuse_lone_surrogates(messages, "the prompt")
+        from jinja2 import TemplateError
+
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+        except TemplateError as exc:  # e.g. a message whose content is null
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
     if not isinstance(value, str):
         raise TypeError(f"column {column!r} must hold a string, got {type(value).__name__}")
     if not value:
         raise ValueError("the prompt is empty")
+    refuse_lone_surrogates(value, "the prompt")
     return tokenizer(value)["input_ids"]
 
 
@@ -165,9 +222,13 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
     began = time.perf_counter()
     bar = _bar(progress)
     stop = _StopOnSigterm()
-    with open(output, "a", encoding="utf-8") as out, stop:
+    with open(output, "ab") as out, stop:
         def write(record: dict) -> None:
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            try:
+                line = json.dumps(record, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate: the escapes read back as the same string
+                line = json.dumps(record).encode("ascii")
+            out.write(line + b"\n")  # one write per record: a kill can cut only the last line short
             out.flush()
             counts["errors" if record["error"] else "written"] += 1
             if bar is not None:
@@ -203,8 +264,7 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
                 if index in done:
                     counts["skipped"] += 1
                     continue
-                text = row.get(column) if isinstance(row, dict) else None
-                shown = text if isinstance(text, str) else json.dumps(text, ensure_ascii=False, default=str)
+                shown = _shown(row.get(column) if isinstance(row, dict) else None)
                 try:
                     if not isinstance(row, dict):
                         raise TypeError(f"row {index} is a {type(row).__name__}, not an object")
@@ -226,6 +286,16 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
                 bar.close()
     counts["seconds"] = time.perf_counter() - began
     return counts
+
+
+def _shown(value) -> str:
+    """A record's `prompt`: the prompt text, or the column's value as JSON."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError):  # e.g. nested deeper than json.dumps goes
+        return f"<{type(value).__name__}>"
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

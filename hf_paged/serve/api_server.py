@@ -1,43 +1,67 @@
 """`hf-paged serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncEngine`.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template),
-`GET /v1/models`, `GET /health` (always open) and `GET /metrics` (Prometheus text, vLLM's names).
-`"stream": true` answers with Server-Sent Events in OpenAI's chunk format, ending with `[DONE]`.
+`GET /v1/models`, `GET /health` (always open), `GET /metrics` (Prometheus text, vLLM's names) and
+`GET /openapi.json` (the request contract, `openapi.py`). `"stream": true` answers with Server-Sent
+Events in OpenAI's chunk format (logprobs included), ending with `[DONE]`.
 
 Hardening:
 * `--api-key` (or `HF_PAGED_API_KEY`): every endpoint but `/health` needs `Authorization: Bearer
-  <key>`, compared in constant time (`hmac.compare_digest`); otherwise 401 in OpenAI's shape.
-* The server binds 127.0.0.1 unless `--host` says otherwise, and warns at start when it listens
-  beyond loopback without a key.
-* Bodies over `Limits.max_body_bytes`, prompts over `max_model_len` tokens, and `n` / `max_tokens`
-  over their caps are refused with 400/413. Every malformed body gets a 4xx with an OpenAI error
-  body, never a 500 or a traceback (`openai_protocol`).
+  <key>`, compared in constant time (`hmac.compare_digest`); otherwise 401 in OpenAI's shape. An
+  empty key is refused at start (it would open the server). The server binds 127.0.0.1 unless
+  `--host` says otherwise, and warns at start when it listens beyond loopback without a key.
+* Every per-request cost is bounded: the body (`--max-body-bytes`, 413), and each cap of
+  `openai_protocol.Limits` (stop strings and their length, logit-bias entries, n, max_tokens,
+  logprobs), each a flag; a request over one gets a 400 naming it. Stop matching is linear in the
+  text (`engine.detokenizer`).
+* Every malformed request gets a 4xx with an OpenAI error body, never a 500 or a traceback: bad
+  UTF-8 or JSON, number literals, lone surrogates anywhere (`openai_protocol.decode_body`), a chat
+  template that refuses the messages, a request the KV pool can never hold. The request is set up
+  (tokenised, templated, checked by the engine) before the answer starts, off the event loop, so the
+  same 4xx comes whether or not it streams; a stream that fails after its first byte ends with an
+  error event and `[DONE]`.
 * A client that disconnects mid-stream aborts its request: its blocks are freed at once.
 * More than `max_waiting` requests in flight: 429 with `Retry-After`, before any work is queued.
-* An engine error for one request is a 500 for that request only.
+* An engine error for one request is a 500 for that request only; an engine that stopped, 503.
 * SIGTERM: uvicorn stops accepting, in-flight requests finish within the grace period, exit 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
-from ..engine import AsyncEngine
+from ..engine import AsyncEngine, EngineClosedError
 from ..worker import SamplingParams
 from ..worker.cpu_caches import bound_cpu_kernel_caches
-from .openai_protocol import APIError, Limits, Parsed, parse
+from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
+from .openapi import openapi_document
 
 try:  # FastAPI resolves the endpoints' annotations in this module's globals
-    from starlette.requests import Request
+    from starlette.requests import ClientDisconnect, Request
+    from starlette.responses import Response, StreamingResponse
 except ImportError:  # the `serve` extra is missing: `Server` says so (`_require`)
-    Request = None
+    Request = Response = StreamingResponse = None
+    ClientDisconnect = ConnectionError
 
 logger = logging.getLogger(__name__)
+
+# What a logprob of -inf is sent as (JSON has no infinity; OpenAI and vLLM send -9999.0).
+MIN_LOGPROB = -9999.0
+# Bodies larger than this are decoded and checked on a worker thread, one at a time: a megabyte of
+# JSON costs milliseconds (json.loads holds the GIL for its C parse, ~1-14 ms a MiB here, so the loop
+# waits at most for one such call, not for the queue). At most MAX_LARGE_BODIES of them are read
+# and waiting to be parsed at once, each read within BODY_TIMEOUT_SECONDS (408 after); the others
+# stay unread in their sockets.
+PARSE_INLINE_BYTES = 64 << 10
+MAX_LARGE_BODIES = 4
+BODY_TIMEOUT_SECONDS = 30.0
 
 
 def _require():
@@ -49,6 +73,38 @@ def _require():
     return fastapi, prometheus
 
 
+def check_api_key(api_key: str | None) -> None:
+    """Refuse a key that would leave the server open or unusable (None means no key: open on purpose).
+
+    Raises:
+        ValueError: an empty or blank key, or one with characters a header cannot carry.
+    """
+    if api_key is None:
+        return
+    if not isinstance(api_key, str) or not api_key.strip():
+        raise ValueError("the API key is empty (--api-key '' or HF_PAGED_API_KEY=''): that would leave every route "
+                         "open; give a real key, or unset it to serve without one")
+    if api_key != api_key.strip() or not api_key.isprintable() or not api_key.isascii():
+        raise ValueError("the API key must be printable ASCII without surrounding spaces (it travels in the "
+                         "Authorization header)")
+
+
+def _dumps(payload) -> bytes:
+    """JSON for the wire: UTF-8, never NaN/Infinity (invalid JSON), and never failing to encode."""
+    try:
+        return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate reached a message: escape it instead of failing
+        return json.dumps(payload, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + _dumps(payload) + b"\n\n"
+
+
+def _logprob(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # -inf and NaN-free by then
+
+
 class Server:
     """The app and its state (in-flight count, metrics). `app` is the ASGI application.
 
@@ -57,6 +113,7 @@ class Server:
         tokenizer: tokenises prompts and renders the chat template.
         model_name: the id clients pass as `model` (and `/v1/models` lists).
         api_key: required as `Authorization: Bearer <key>` on every endpoint but `/health`; None: open.
+            An empty key is a ValueError (`check_api_key`).
         limits: request caps (`openai_protocol.Limits`).
         max_waiting: requests in flight beyond which new ones get 429 with `Retry-After`.
     """
@@ -64,9 +121,10 @@ class Server:
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None,
                  limits: Limits | None = None, max_waiting: int = 256):
         fastapi, prometheus = _require()
-        from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+        from fastapi.responses import PlainTextResponse
         from starlette.exceptions import HTTPException
 
+        check_api_key(api_key)
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key = api_key
         self.limits = limits or Limits()
@@ -74,47 +132,46 @@ class Server:
         self.in_flight = 0
         self.vocab_size = engine.engine.vocab_size
         self.counts = {"ok": 0, "client_errors": 0, "server_errors": 0, "rejected_busy": 0, "aborted": 0}
+        self._parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_paged-parse")
+        self._large_bodies = asyncio.Semaphore(MAX_LARGE_BODIES)
+        self._openapi = _dumps(openapi_document(model_name, self.limits, self.vocab_size))
         self._registry = prometheus.CollectorRegistry()
         self._registry.register(_EngineCollector(self))
         app = fastapi.FastAPI(title="hf_paged", docs_url=None, redoc_url=None, openapi_url=None)
         self.app = app
-        self._JSONResponse, self._StreamingResponse = JSONResponse, StreamingResponse
 
         @app.exception_handler(HTTPException)
         async def http_error(request, exc):  # unknown routes and methods, in OpenAI's shape
-            return JSONResponse(APIError(exc.status_code, str(exc.detail), type="invalid_request_error").body(),
-                                status_code=exc.status_code)
+            return _json(APIError(exc.status_code, str(exc.detail), type="invalid_request_error").body(),
+                         exc.status_code, headers=getattr(exc, "headers", None))  # a 405's Allow
 
         @app.exception_handler(Exception)
         async def any_error(request, exc):  # never a traceback to the client
             logger.exception("hf_paged serve: unhandled error")
             self.counts["server_errors"] += 1
-            return JSONResponse(APIError(500, "internal error", type="server_error").body(), status_code=500)
+            return _json(APIError(500, "internal error", type="server_error").body(), 500)
 
-        @app.middleware("http")
-        async def guard(request, call_next):
-            if request.url.path != "/health" and self.api_key is not None:
-                given = request.headers.get("authorization", "")
-                token = given[7:] if given[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-                    return JSONResponse(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                                 code="invalid_api_key").body(), status_code=401)
-            return await call_next(request)
+        if api_key is not None:
+            app.add_middleware(_RequireKey, key=api_key)
 
         @app.get("/health")
         async def health():
-            alive = self.engine.engine.is_running()
-            return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+            alive = self.engine.engine.is_running() and not self.engine.is_closed
+            return _json({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                "owned_by": "hf_paged"}]}
+            return _json({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                      "owned_by": "hf_paged"}]})
 
         @app.get("/metrics")
         async def metrics():
             return PlainTextResponse(prometheus.generate_latest(self._registry).decode(),
                                      media_type=prometheus.CONTENT_TYPE_LATEST)
+
+        @app.get("/openapi.json")
+        async def openapi():
+            return Response(self._openapi, media_type="application/json")
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -127,65 +184,98 @@ class Server:
     # ------------------------------------------------------------------ one request
     async def _serve(self, request, kind: str):
         try:
-            body = await self._body(request)
-            parsed = parse(kind, body, [self.model_name], self.limits, self.vocab_size)
-            prompt_ids = self._prompt_ids(parsed)
-            params = self._params(parsed, len(prompt_ids))
+            declared = request.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > self.limits.max_body_bytes:
+                raise APIError(413, f"the request body is larger than {self.limits.max_body_bytes} bytes "
+                                    "(the server's --max-body-bytes)")
+            if declared.isdigit() and int(declared) <= PARSE_INLINE_BYTES:
+                parsed = self._parse(kind, await self._body(request))
+            else:
+                # A few large bodies at a time are read (within a deadline) and parsed: the others
+                # wait unread (uvicorn stops reading a connection whose body is not consumed), so the
+                # event loop and memory never hold more than MAX_LARGE_BODIES of them.
+                async with self._large_bodies:
+                    try:
+                        raw = await asyncio.wait_for(self._body(request), BODY_TIMEOUT_SECONDS)
+                    except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11 on
+                        raise APIError(408, f"the request body did not arrive within {BODY_TIMEOUT_SECONDS:g} s"
+                                       ) from None
+                    parsed = await asyncio.get_running_loop().run_in_executor(self._parsing, self._parse, kind, raw)
         except APIError as exc:
-            self.counts["client_errors"] += 1
-            return self._JSONResponse(exc.body(), status_code=exc.status)
+            return self._client_error(exc)
+        except ClientDisconnect:  # the client left before its body arrived: nobody reads an answer
+            self.counts["aborted"] += 1
+            return Response(status_code=400)
         if self.in_flight >= self.max_waiting:
             self.counts["rejected_busy"] += 1
-            return self._JSONResponse(APIError(429, f"the server has {self.in_flight} requests in flight; retry "
-                                                    "later", type="rate_limit_error").body(), status_code=429,
-                                      headers={"Retry-After": "1"})
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-        if parsed.stream:
-            return self._StreamingResponse(self._stream(parsed, prompt_ids, params, rid),
-                                           media_type="text/event-stream")
+            return _json(APIError(429, f"the server has {self.in_flight} requests in flight; retry later",
+                                  type="rate_limit_error").body(), 429, headers={"Retry-After": "1"})
         self.in_flight += 1
+        handed_over = False  # to the stream, which releases it however it ends
         try:
-            output = await self.engine.generate(prompt_ids, params, request_id=rid)
+            rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed)  # tokenising is never on the loop
+            params = self._params(parsed)
+            try:
+                pending = await self.engine.add_request(prompt_ids, params, rid, stream=parsed.stream)
+            except (ValueError, TypeError) as exc:  # the engine's own checks (a pool that can never hold it...)
+                raise APIError(400, str(exc)) from None
+            if parsed.stream:
+                handed_over = True
+                return _GuardedStream(self._stream(parsed, prompt_ids, pending, rid),
+                                      on_close=lambda: self._close_stream(pending))
+            output = await pending.result()
+        except APIError as exc:
+            return self._client_error(exc)
+        except EngineClosedError as exc:
+            self.counts["server_errors"] += 1
+            return _json(APIError(503, f"the engine is not serving: {exc}", type="server_error").body(), 503)
         finally:
-            self.in_flight -= 1
+            if not handed_over:
+                self.in_flight -= 1
         failed = [s.error for s in output.outputs if s.error is not None]
         if failed:
             status = 400 if isinstance(failed[0], (ValueError, TypeError)) else 500
             self.counts["client_errors" if status == 400 else "server_errors"] += 1
-            return self._JSONResponse(APIError(status, f"generation failed: {failed[0]}",
-                                               type="invalid_request_error" if status == 400 else "server_error").body(),
-                                      status_code=status)
+            return _json(APIError(status, f"generation failed: {failed[0]}",
+                                  type="invalid_request_error" if status == 400 else "server_error").body(), status)
         self.counts["ok"] += 1
-        return self._JSONResponse(self._response(parsed, rid, prompt_ids, output))
+        # Off the loop: with logprobs, the answer decodes up to n x max_tokens x (1 + top_logprobs) tokens.
+        return _json(await asyncio.to_thread(self._response, parsed, rid, prompt_ids, output))
 
-    async def _body(self, request):
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limits.max_body_bytes:
-            raise APIError(413, f"the request body is larger than {self.limits.max_body_bytes} bytes")
+    def _client_error(self, exc: APIError):
+        self.counts["client_errors"] += 1
+        return _json(exc.body(), exc.status)
+
+    async def _body(self, request) -> bytes:
+        """The body, refused with 413 as soon as it passes `--max-body-bytes` (a declared size is
+        checked by `_serve` before reading)."""
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > self.limits.max_body_bytes:
-                raise APIError(413, f"the request body is larger than {self.limits.max_body_bytes} bytes")
+                raise APIError(413, f"the request body is larger than {self.limits.max_body_bytes} bytes "
+                                    "(the server's --max-body-bytes)")
             chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise APIError(400, "the request body is not valid UTF-8") from None
-        try:
-            return json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        return b"".join(chunks)
+
+    def _parse(self, kind: str, raw: bytes) -> Parsed:
+        return parse(kind, decode_body(raw), [self.model_name], self.limits, self.vocab_size)
 
     def _prompt_ids(self, p: Parsed) -> list[int]:
-        if p.kind == "chat":
-            ids = self.tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        elif isinstance(p.prompt, str):
-            ids = self.tokenizer(p.prompt)["input_ids"]
-        else:
-            ids = p.prompt
+        """The prompt's token ids (on a worker thread: tokenising and templating cost time)."""
+        with self.engine.engine.tokenizer_lock:  # the engine's: it encodes string prompts too
+            if p.kind == "chat":
+                try:
+                    ids = self.tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
+                except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or any error it meets
+                    raise APIError(400, f"the model's chat template cannot render these messages: {exc}",
+                                   param="messages") from None
+                ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            elif isinstance(p.prompt, str):
+                ids = self.tokenizer(p.prompt)["input_ids"]
+            else:
+                ids = p.prompt
         if not ids:
             raise APIError(400, "the prompt is empty once tokenised", param="prompt")
         if len(ids) + p.max_tokens > self.limits.max_model_len:
@@ -194,7 +284,7 @@ class Server:
                            param="messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
         return list(ids)
 
-    def _params(self, p: Parsed, prompt_len: int) -> SamplingParams:
+    def _params(self, p: Parsed) -> SamplingParams:
         try:
             params = SamplingParams(max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, n=p.n,
                                     stop=p.stop or None, seed=p.seed, logprobs=p.logprobs,
@@ -215,13 +305,15 @@ class Server:
         choices = []
         for i, sample in enumerate(output.outputs):
             reason = _finish_reason(sample.finish_reason)
+            logprobs = None
+            if p.logprobs is not None:
+                logprobs = self._chat_logprobs(sample.logprobs) if p.kind == "chat" else \
+                    self._completion_logprobs(sample.logprobs)
             if p.kind == "chat":
                 choice = {"index": i, "message": {"role": "assistant", "content": sample.text or ""},
-                          "logprobs": self._chat_logprobs(sample) if p.logprobs is not None else None,
-                          "finish_reason": reason}
+                          "logprobs": logprobs, "finish_reason": reason}
             else:
-                choice = {"index": i, "text": sample.text or "", "finish_reason": reason,
-                          "logprobs": self._completion_logprobs(sample) if p.logprobs is not None else None}
+                choice = {"index": i, "text": sample.text or "", "finish_reason": reason, "logprobs": logprobs}
             choices.append(choice)
         return {"id": rid, "object": "chat.completion" if p.kind == "chat" else "text_completion",
                 "created": int(time.time()), "model": self.model_name, "choices": choices,
@@ -230,49 +322,56 @@ class Server:
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def _chat_logprobs(self, sample) -> dict:
+    def _chat_logprobs(self, logprobs) -> dict:
+        """OpenAI's chat `logprobs` for these tokens' `TokenLogprobs` (`{"content": [...]}`)."""
         content = []
-        for token_id, lp in zip(sample.token_ids, sample.logprobs or []):
-            token = self._token(token_id)
-            content.append({"token": token, "logprob": lp.logprob, "bytes": list(token.encode()),
-                            "top_logprobs": [{"token": self._token(t), "logprob": v,
+        for lp in logprobs or []:
+            token = self._token(lp.token_id)
+            content.append({"token": token, "logprob": _logprob(lp.logprob), "bytes": list(token.encode()),
+                            "top_logprobs": [{"token": self._token(t), "logprob": _logprob(v),
                                               "bytes": list(self._token(t).encode())} for t, v in (lp.top or [])]})
         return {"content": content}
 
-    def _completion_logprobs(self, sample) -> dict:
-        tokens = [self._token(t) for t in sample.token_ids]
-        offsets, at = [], 0
+    def _completion_logprobs(self, logprobs, offset: int = 0) -> dict:
+        """OpenAI's completions `logprobs` for these tokens; `text_offset` counts from `offset`."""
+        tokens = [self._token(lp.token_id) for lp in logprobs or []]
+        offsets, at = [], offset
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in sample.logprobs or []],
-                "top_logprobs": [{self._token(t): v for t, v in (lp.top or [])} for lp in sample.logprobs or []],
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs or []],
+                "top_logprobs": [{self._token(t): _logprob(v) for t, v in (lp.top or [])} for lp in logprobs or []],
                 "text_offset": offsets}
 
-    async def _stream(self, p: Parsed, prompt_ids, params, rid: str):
-        """Server-Sent Events: one chunk per token event, the finish reasons, the usage chunk on request,
-        then `[DONE]`. A client that goes away cancels this generator, which aborts the request."""
+    async def _stream(self, p: Parsed, prompt_ids, pending, rid: str):
+        """Server-Sent Events: one chunk per token event (with its logprobs when asked), the finish
+        reasons, the usage chunk on request, then `[DONE]`. A failure after the first byte ends the
+        stream with an error event and `[DONE]`. A client that goes away ends the response, whose
+        `on_close` aborts the request."""
         created, obj = int(time.time()), "chat.completion.chunk" if p.kind == "chat" else "text_completion"
-        counts = [0] * p.n
-        self.in_flight += 1
-        finished = False
+        counts, offsets = [0] * p.n, [0] * p.n
         try:
             if p.kind == "chat":
                 for i in range(p.n):
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
                                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
-            async for event in self.engine.stream(prompt_ids, params, request_id=rid):
+            async for event in pending.events():
                 i = event.sample_index
+                if event.finish_reason == "error":
+                    raise RuntimeError(f"request {rid} failed in the engine")
                 if event.token_id is not None:
                     counts[i] += 1
                 text = event.text or ""
                 reason = _finish_reason(event.finish_reason)
-                if event.finish_reason == "error":
-                    self.counts["server_errors"] += 1
-                    yield _sse(APIError(500, "generation failed", type="server_error").body())
-                    return
-                choice = {"index": i, "finish_reason": reason, "logprobs": None}
+                logprobs = None
+                if p.logprobs is not None and event.logprobs is not None:
+                    if p.kind == "chat":
+                        logprobs = self._chat_logprobs([event.logprobs])
+                    else:
+                        logprobs = self._completion_logprobs([event.logprobs], offsets[i])
+                        offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                choice = {"index": i, "finish_reason": reason, "logprobs": logprobs}
                 if p.kind == "chat":
                     choice["delta"] = {"content": text} if text or reason is None else {}
                 else:
@@ -284,17 +383,62 @@ class Server:
                 yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [],
                             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion,
                                       "total_tokens": len(prompt_ids) + completion}})
-            yield "data: [DONE]\n\n"
-            finished = True
             self.counts["ok"] += 1
-        finally:
-            self.in_flight -= 1
-            if not finished:
-                self.counts["aborted"] += 1
+        except Exception as exc:  # noqa: BLE001 - after the first byte the status is sent: say so in the stream
+            logger.warning("hf_paged serve: stream %s failed: %r", rid, exc)
+            self.counts["server_errors"] += 1
+            yield _sse(APIError(500, "generation failed" if not isinstance(exc, EngineClosedError)
+                                else f"the engine stopped: {exc}", type="server_error").body())
+        yield b"data: [DONE]\n\n"
+
+    async def _close_stream(self, pending) -> None:
+        """However a stream ended (finished, failed, the client left, never started): abort what is
+        still running and release its in-flight slot, once."""
+        self.in_flight -= 1
+        if not pending.finished:
+            self.counts["aborted"] += 1
+        await pending.abort()
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+class _RequireKey:
+    """ASGI middleware: 401 in OpenAI's shape for a missing or wrong `Authorization: Bearer <key>` on
+    every path but `/health` (plain ASGI: no task or stream wrapping per request, which
+    `@app.middleware` would add to every call, `/health` included)."""
+
+    def __init__(self, app, key: str):
+        self.app = app
+        self._key = key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self._key):
+                response = _json(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                          code="invalid_api_key").body(), 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _json(payload, status: int = 200, headers: dict | None = None):
+    return Response(_dumps(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+if StreamingResponse is not None:
+    class _GuardedStream(StreamingResponse):
+        """An SSE response whose `on_close` runs however the response ends, even if the client left
+        before its first byte (a generator that never started would never run its `finally`)."""
+
+        def __init__(self, content, on_close):
+            super().__init__(content, media_type="text/event-stream")
+            self._on_close = on_close
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                await self._on_close()
 
 
 def _finish_reason(reason: str | None) -> str | None:
@@ -347,6 +491,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def main(argv: list[str] | None = None) -> int:
     """`hf-paged serve MODEL_DIR|default|module:callable [--host --port --api-key ...]`."""
     import argparse
+    import dataclasses
     import os
     import sys
 
@@ -362,14 +507,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--served-model-name", default=None, help="the model id clients pass (default: the path)")
     parser.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 429")
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
-    parser.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask")
-    parser.add_argument("--max-n", type=int, default=8)
-    parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    for name, flag, default, help in Limits.flags():  # the request caps: one definition, in openai_protocol.Limits
+        parser.add_argument(flag, dest=name, type=int, default=default, help=f"{help} (default {default})")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--num-blocks", type=int, default=None, help="a fixed KV pool (blocks of --block-size)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     args = parser.parse_args(argv)
+    try:  # before loading anything: an empty key would open every route
+        check_api_key(args.api_key)
+        limits = Limits(**{name: getattr(args, name) for name, _, _, _ in Limits.flags()})
+    except ValueError as exc:
+        parser.error(str(exc))
     import uvicorn
 
     _require()
@@ -383,8 +532,7 @@ def main(argv: list[str] | None = None) -> int:
                     num_blocks=args.num_blocks, max_model_len=limit, show_progress=False)
     name = args.served_model_name or ("default" if args.model == "default" else args.model)
     server = Server(AsyncEngine(engine), tokenizer, name, api_key=args.api_key,
-                    limits=Limits(max_body_bytes=args.max_body_bytes, max_model_len=limit, max_tokens=args.max_tokens,
-                                  max_n=args.max_n), max_waiting=args.max_waiting)
+                    limits=dataclasses.replace(limits, max_model_len=limit), max_waiting=args.max_waiting)
     if args.api_key is None and args.host not in LOOPBACK:
         print(f"WARNING: hf-paged serve listens on {args.host} without --api-key: anyone who can reach it can use "
               "it", file=sys.stderr, flush=True)
@@ -395,5 +543,5 @@ def main(argv: list[str] | None = None) -> int:
     # drained shutdown exits 0 instead of dying of the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight requests, return
-    engine.stop(drain=False)
+    engine.shutdown(drain=False)
     return 0

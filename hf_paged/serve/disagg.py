@@ -16,7 +16,9 @@ the prefill worker's next steps.
 
 Faults:
 * a worker that dies (exit, SIGKILL) or stops answering (no heartbeat for `heartbeat_timeout`
-  seconds; it is then killed) has its requests re-run from their prompts on the workers left;
+  seconds; it is then killed) has its requests re-run from their prompts on the workers left (a
+  worker beats between engine steps, and, while one step runs long, from a pulse thread for up to
+  `serve.worker.STEP_PULSE_LIMIT` seconds of it);
   results of an abandoned attempt are ignored, so nothing is returned twice, and a stream never
   repeats a token it already gave;
 * a transfer that fails or times out is asked for once more, then the decode worker recomputes
@@ -98,7 +100,8 @@ class DisaggregatedEngine:
             `enable_prefix_caching`, `max_num_seqs`, ...).
         device: where workers run ("cpu", "cuda": worker i takes GPU i modulo the GPUs present).
         num_threads: torch threads per worker (default: the cores split evenly).
-        heartbeat_timeout: seconds without a heartbeat after which a worker is taken for dead.
+        heartbeat_timeout: seconds without a heartbeat after which a worker is taken for dead (a long
+            engine step keeps beating, up to `serve.worker.STEP_PULSE_LIMIT` seconds).
         transfer_timeout: seconds a K/V transfer may take before it is asked for again.
         start_timeout: seconds the workers may take to start (model loading included).
         faults: test hooks per worker name (see `serve.worker`).

@@ -1,13 +1,20 @@
 """OpenAI request bodies checked field by field, and OpenAI-shaped errors. Torch-free.
 
 Every malformed or hostile body ends here as an `APIError` with OpenAI's status and error shape
-(`{"error": {"message", "type", "param", "code"}}`); nothing reaches the engine unchecked.
+(`{"error": {"message", "type", "param", "code"}}`); nothing reaches the engine unchecked:
+`decode_body` turns the raw bytes into JSON (invalid UTF-8, invalid JSON, number literals Python
+refuses and lone surrogates are 400s), `parse` checks every field against `Limits`, whose caps bound
+what one request can cost (each cap is a server flag, and its 400 names the flag).
 """
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
+
+from ..text import refuse_lone_surrogates
 
 
 class APIError(Exception):
@@ -22,17 +29,40 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def _cap(default: int, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Limits:
-    """What one request may ask for."""
+    """What one request may ask for. Every field but `max_model_len` (the model's) is also a flag of
+    `hf-paged serve` (`max_stop_chars` -> `--max-stop-chars`), with the default given here, and a
+    request over a cap gets a 400 that names the flag."""
 
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = _cap(1 << 20, "largest request body in bytes (413 above)")
     max_model_len: int = 2048
-    max_tokens: int = 1024
-    default_max_tokens: int = 16
-    max_n: int = 8
-    max_stop: int = 4
-    max_logprobs: int = 20
+    max_tokens: int = _cap(1024, "largest max_tokens a request may ask")
+    default_max_tokens: int = _cap(16, "max_tokens of a request that gives none")
+    max_n: int = _cap(8, "most samples (n) per request")
+    max_stop: int = _cap(4, "most stop strings per request (OpenAI's 4)")
+    max_stop_chars: int = _cap(1024, "longest stop string, in characters")
+    max_logit_bias: int = _cap(1024, "most logit_bias entries per request")
+    max_logprobs: int = _cap(20, "most top_logprobs per token (completions: at most 5, OpenAI's)")
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Limits.{f.name} must be a positive integer, got {value!r}")
+
+    @staticmethod
+    def flags() -> list[tuple[str, str, int, str]]:
+        """`(field, flag, default, help)` of every cap that is a server flag."""
+        return [(f.name, _flag(f.name), f.default, f.metadata["help"]) for f in fields(Limits) if "help" in f.metadata]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -65,6 +95,35 @@ CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
 ROLES = ("system", "user", "assistant")
 
 
+# A JSON escape of a UTF-16 surrogate: the only way a lone surrogate gets into a parsed body (valid
+# pairs are joined into one character by the parser; strict UTF-8 decoding refuses raw ones).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def decode_body(raw: bytes):
+    """The JSON value of a request body.
+
+    Raises:
+        APIError: 400 for invalid UTF-8, invalid JSON (too deep, a number literal longer than Python
+            converts), or a string or key holding a lone surrogate (not Unicode text: it cannot be
+            tokenised, nor even written back in an error message).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not valid UTF-8") from None
+    try:
+        body = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so is a 5,000-digit int
+        raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            refuse_lone_surrogates(body, "body")
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+    return body
+
+
 def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -> Parsed:
     """Check an OpenAI `completions` (kind "completion") or `chat/completions` ("chat") body."""
     if not isinstance(body, dict):
@@ -81,7 +140,7 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -
                        code="model_not_found")
     p = Parsed(kind=kind, model=model)
     key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
-    p.max_tokens = _int(body, key, limits.default_max_tokens, 1, limits.max_tokens)
+    p.max_tokens = _int(body, key, min(limits.default_max_tokens, limits.max_tokens), 1, limits.max_tokens)
     p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if p.top_p == 0.0:
@@ -91,7 +150,7 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -
     p.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
     p.seed = _int(body, "seed", None, -(2**63), 2**63 - 1)
     p.stop = _stop(body.get("stop"), limits)
-    p.logit_bias = _logit_bias(body.get("logit_bias"), vocab_size)
+    p.logit_bias = _logit_bias(body.get("logit_bias"), vocab_size, limits)
     user = body.get("user")
     if user is not None and not isinstance(user, str):
         raise APIError(400, "'user' must be a string", param="user")
@@ -106,7 +165,7 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -
         p.include_usage = _bool(options, "include_usage", False)
     if kind == "completion":
         p.logprobs = _int(body, "logprobs", None, 0, min(5, limits.max_logprobs))
-        p.prompt = _prompt(body.get("prompt"), vocab_size)
+        p.prompt = _prompt(body.get("prompt"), vocab_size, limits.max_model_len)
     else:
         if _bool(body, "logprobs", False):
             p.logprobs = _int(body, "top_logprobs", 0, 0, limits.max_logprobs)
@@ -156,18 +215,26 @@ def _stop(value, limits: Limits) -> list[str]:
     if value is None:
         return []
     stops = [value] if isinstance(value, str) else value
+    if isinstance(stops, list) and len(stops) > limits.max_stop:  # the cheap check first: lists may be huge
+        raise APIError(400, f"'stop' takes at most {limits.max_stop} sequences (the server's {_flag('max_stop')}), "
+                            f"got {len(stops)}", param="stop")
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise APIError(400, "'stop' must be a non-empty string or a list of them", param="stop")
-    if len(stops) > limits.max_stop:
-        raise APIError(400, f"'stop' takes at most {limits.max_stop} sequences, got {len(stops)}", param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > limits.max_stop_chars:
+        raise APIError(400, f"a stop string may have at most {limits.max_stop_chars} characters (the server's "
+                            f"{_flag('max_stop_chars')}), got one of {longest}", param="stop")
     return stops
 
 
-def _logit_bias(value, vocab_size: int) -> dict[int, float]:
+def _logit_bias(value, vocab_size: int, limits: Limits) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
         raise APIError(400, "'logit_bias' must be an object mapping token ids to biases", param="logit_bias")
+    if len(value) > limits.max_logit_bias:
+        raise APIError(400, f"'logit_bias' takes at most {limits.max_logit_bias} entries (the server's "
+                            f"{_flag('max_logit_bias')}), got {len(value)}", param="logit_bias")
     out = {}
     for key, bias in value.items():
         try:
@@ -185,11 +252,14 @@ def _logit_bias(value, vocab_size: int) -> dict[int, float]:
     return out
 
 
-def _prompt(value, vocab_size: int) -> str | list[int]:
+def _prompt(value, vocab_size: int, max_model_len: int) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise APIError(400, "'prompt' is empty", param="prompt")
         return value
+    if isinstance(value, list) and len(value) >= max_model_len:  # before looking at each id
+        raise APIError(400, f"this model's context is {max_model_len} tokens; the prompt has {len(value)}",
+                       param="prompt", code="context_length_exceeded")
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         bad = [t for t in value if not 0 <= t < vocab_size]
         if bad:

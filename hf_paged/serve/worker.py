@@ -1,6 +1,8 @@
 """One worker process of a disaggregated engine: a model replica, its own `Engine`, and a loop that
-takes control messages, moves K/V and steps the engine. Single-threaded: the loop is the only
-thread that touches the engine.
+takes control messages, moves K/V and steps the engine. The loop is the only thread that touches
+the engine. It beats between steps; while one step runs long (a 2,048-token prefill chunk takes
+about 9 s on one slow CPU core), a pulse thread beats for it, up to `STEP_PULSE_LIMIT` seconds, so
+that only a worker that stops making progress is taken for dead.
 
 Prefill role: each request runs with one new token and its sequence kept (`retain_kv`); the first
 token goes to the router, the prompt's K/V to the decode worker (`export_kv`, one `isend`), whose
@@ -16,7 +18,8 @@ too, the request is recomputed here from its prompt. A decode worker also runs w
 Test hooks (`WorkerSpec.faults`): `drop_transfers=k` skips the first k sends of the first request
 transferred (its control messages still go: k=1 is made good by the retry, k=2 makes the decode
 worker recompute it), `freeze_on_request=True` lets a "freeze" message stop the loop for good
-(no more heartbeats), as a hung worker would.
+(no more heartbeats), as a hung worker would, and `slow_step_seconds=s` makes every engine step
+take s seconds longer, as a long prefill on a slow CPU does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import dataclasses
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -41,6 +45,8 @@ from .mailbox import Mailbox
 logger = logging.getLogger(__name__)
 
 ROUTER = "router"
+# A step that runs longer than this stops being vouched for by the pulse: its worker then looks hung.
+STEP_PULSE_LIMIT = 600.0
 
 
 @dataclass
@@ -112,6 +118,7 @@ class Worker:
         self.next_tag = 1
         self.drop_transfers = int(spec.faults.get("drop_transfers", 0))
         self.drop_key: tuple | None = None  # the request whose sends the hook drops
+        self.slow_step_seconds = float(spec.faults.get("slow_step_seconds", 0.0))
         self.num_sent_tensors = 0
         self.stopping = False
 
@@ -119,24 +126,33 @@ class Worker:
     def run(self) -> None:
         self.mailbox.send(ROUTER, {"op": "ready", "name": self.spec.name, **self.status()})
         last_beat = 0.0
-        while not self.stopping:
-            now = time.monotonic()
-            if now - last_beat >= self.spec.heartbeat_interval:
-                self.mailbox.beat(self.status())
-                last_beat = now
-                if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
-                    return  # the engine that started us is gone
-            busy = False
-            for message in self.mailbox.poll():
-                busy = True
-                self.handle(message)
-            busy |= self.poll_transfers()
-            if self.engine.has_unfinished_requests():
-                self.engine.step()
-                busy = True
-            busy |= self.deliver()
-            if not busy:
-                time.sleep(0.002)
+        pulse = _StepPulse(self.mailbox, self.spec.heartbeat_interval)
+        try:
+            while not self.stopping:
+                now = time.monotonic()
+                if now - last_beat >= self.spec.heartbeat_interval:
+                    status = self.status()
+                    self.mailbox.beat(status)
+                    pulse.status = status
+                    last_beat = now
+                    if self.spec.parent_pid is not None and os.getppid() != self.spec.parent_pid:
+                        return  # the engine that started us is gone
+                busy = False
+                for message in self.mailbox.poll():
+                    busy = True
+                    self.handle(message)
+                busy |= self.poll_transfers()
+                if self.engine.has_unfinished_requests():
+                    with pulse:
+                        time.sleep(self.slow_step_seconds)
+                        self.engine.step()
+                    last_beat = 0.0 if pulse.beat_during_step else last_beat  # a fresh status next
+                    busy = True
+                busy |= self.deliver()
+                if not busy:
+                    time.sleep(0.002)
+        finally:
+            pulse.close()
 
     def status(self) -> dict:
         pool = self.engine.cache.pool
@@ -358,6 +374,43 @@ class _NeverDone:
 
     def wait(self, *args) -> bool:
         return False
+
+
+class _StepPulse:
+    """Beats for the worker while its loop is inside one engine step, every `interval` seconds and
+    for at most `STEP_PULSE_LIMIT` seconds of that step, with the status the loop last reported. The
+    store client serialises its operations, so two threads may use it."""
+
+    def __init__(self, mailbox: Mailbox, interval: float):
+        self.mailbox, self.interval = mailbox, interval
+        self.status: dict = {}
+        self.beat_during_step = False
+        self._step_began: float | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hf_paged-pulse", daemon=True)
+        self._thread.start()
+
+    def __enter__(self):
+        self.beat_during_step = False
+        self._step_began = time.monotonic()
+        return self
+
+    def __exit__(self, *exc):
+        self._step_began = None
+        return False
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self.interval):
+            began = self._step_began
+            if began is not None and time.monotonic() - began < STEP_PULSE_LIMIT:
+                try:
+                    self.mailbox.beat(self.status)
+                    self.beat_during_step = True
+                except Exception:  # noqa: BLE001 - a store hiccup, or the router is gone (the loop finds out)
+                    logger.debug("hf_paged: a pulse heartbeat failed", exc_info=True)
 
 
 def _engine_id(routed: dict) -> str:

@@ -17,6 +17,13 @@ rows together, in transformers' order:
 Rows that share settings cost no per-row tensor work: per-row values travel as small tensors, and the
 only per-row Python is gathering each request's (incrementally kept) penalty arrays and ban lists.
 
+No processed value is +inf or NaN for finite raw logits: each step that can overflow fp32 (a bias
+added, a penalty divided by, the temperature) clamps +inf to FP32_MAX right where it arises (on the
+touched entries for the processors, on the divided rows for the temperature). In range nothing changes,
+so the values stay transformers' own; out of range the overflowing tokens tie at the top (greedy takes
+the first, sampling draws among them), where stock's softmax would turn the infinities into NaN. -inf
+stays: it means "dropped".
+
 The host waits for the device once per call, to read the tokens (with each row's NaN flag when asked):
 per-row values go to the device through asynchronous copies (`host_to_device`), every token lands in
 one device tensor, and nothing else is read back, except where the result itself is host data
@@ -35,7 +42,7 @@ import torch
 
 from ..attention.metadata import host_to_device
 from ..attention.torch_paged import Workspace
-from .sampling import SamplingState, uniform
+from .sampling import FP32_MAX, SamplingState, uniform
 
 # Top-p without top-k: the nucleus is read off the most likely tokens (1024, then 16384 for the rows
 # still undecided) when their mass exceeds top_p and no kept/dropped decision lies within
@@ -226,9 +233,11 @@ class Sampler:
         if bias_rows:
             row_idx, tok_idx, vals = np.concatenate(bias_rows), np.concatenate(bias_ids), np.concatenate(bias_vals)
             keep = tok_idx < vocab  # a draft model's vocabulary may be smaller than the target's
-            logits.index_put_((host_to_device(row_idx[keep], torch.long, device),
-                               host_to_device(tok_idx[keep], torch.long, device)),
-                              host_to_device(vals[keep], torch.float32, device), accumulate=True)
+            # (row, token) pairs are distinct (a dict's keys per row): gather, add, scatter back
+            row_idx = host_to_device(row_idx[keep], torch.long, device)
+            tok_idx = host_to_device(tok_idx[keep], torch.long, device)
+            biased = logits[row_idx, tok_idx] + host_to_device(vals[keep], torch.float32, device)
+            logits[row_idx, tok_idx] = biased.clamp_(max=FP32_MAX)
         if pen_rows:
             sizes = [len(a) for a in pen_ids]
             row_idx, tok_idx, counts = np.concatenate(pen_rows), np.concatenate(pen_ids), np.concatenate(pen_counts)
@@ -243,7 +252,7 @@ class Sampler:
             rep = per_row[:, 0]
             score = torch.where(score < 0, score * rep, score / rep)
             score = score - per_row[:, 1] * counts - per_row[:, 2] * (counts > 0).float()
-            logits[row_idx, tok_idx] = score
+            logits[row_idx, tok_idx] = score.clamp_(max=FP32_MAX)
         if ban_rows:
             pairs = [(r, t) for r, t in zip(ban_rows, ban_ids) if t < vocab]
             if pairs:
@@ -271,7 +280,8 @@ class Sampler:
         temp = host_to_device([p.temperature for p in params], torch.float32, device)[:, None]
         x = logits.index_select(0, _index(idx, device)) if len(idx) < logits.shape[0] else logits
         vals, ids = torch.topk(x, width, dim=-1)  # sorted, most likely first
-        vals = vals / temp  # positive scaling: same order, and transformers' very values
+        # positive scaling: same order, and transformers' very values (clamped where they overflow)
+        vals = (vals / temp).clamp_(max=FP32_MAX)
         pos = torch.arange(width, device=device)[None, :]
         kth = vals.gather(1, (ks - 1)[:, None])
         # The value after the k-th equals it: transformers keeps every tie at the k-th value.
@@ -282,7 +292,7 @@ class Sampler:
         if tied_rows:
             keep = sorted(set(range(len(idx))) - set(tied_rows))
             for j in tied_rows:  # rare: the whole row, masked below the k-th value
-                row = x[j] / temp[j]
+                row = (x[j] / temp[j]).clamp_(max=FP32_MAX)
                 row = row.masked_fill(row < kth[j], float("-inf"))
                 blocks.append(_Block([idx[j]], None, self._top_p_min_p_dense(row[None], [params[j]])))
             if not keep:
@@ -299,6 +309,7 @@ class Sampler:
         device, vocab = logits.device, logits.shape[-1]
         temp = host_to_device([p.temperature for p in params], torch.float32, device)[:, None]
         x = (logits.index_select(0, _index(idx, device)) if len(idx) < logits.shape[0] else logits) / temp
+        x.clamp_(max=FP32_MAX)  # a temperature >= SAMPLING_EPS can still overflow a huge logit
         top_p = [j for j, p in enumerate(params) if p.top_p < 1.0]
         if not top_p:
             return [_Block(idx, None, _min_p(x, [p.min_p for p in params]))]

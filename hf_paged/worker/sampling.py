@@ -27,6 +27,16 @@ from ..config import MAX_SPECULATIVE_TOKENS
 
 LOGPROBS_MODES = ("processed", "raw")
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs
+# Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): the one rule for every path that decides
+# greediness (`SamplingParams.is_greedy`). logits / 1e-45 overflows fp32 to inf, and 1e-45 itself
+# rounds to a denormal or to 0, so such a temperature cannot be sampled from as written.
+SAMPLING_EPS = 1e-5
+# The fp32 range the sampler computes in. Settings that would leave it once cast (an infinite
+# bias or temperature, a repetition penalty that rounds to 0) are refused by `validate`; a finite
+# result that still overflows (a huge logit plus a huge bias, divided by a small penalty or
+# temperature) is clamped to FP32_MAX by the sampler, so no processed value is ever +inf or NaN.
+FP32_MAX = float(np.finfo(np.float32).max)
+FP32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal fp32
 
 
 def _is_int(x) -> bool:
@@ -45,7 +55,9 @@ class SamplingParams:
     Args:
         max_new_tokens: most tokens to generate (> 0).
         min_new_tokens: end-of-sequence and `stop_token_ids` are masked until this many were generated.
-        temperature: 0 means greedy (argmax); > 0 samples from softmax(logits / temperature).
+        temperature: below `SAMPLING_EPS` (1e-5, vLLM's rule; 0 included) means greedy (argmax): a
+            tinier temperature cannot be divided by in fp32. At or above it, samples from
+            softmax(logits / temperature). At most `FP32_MAX`.
         top_k: keep the k most likely tokens, ties at the k-th value included (0 disables).
         top_p: nucleus sampling; keep the smallest set of tokens whose probability reaches top_p (1 disables).
         min_p: drop tokens less likely than `min_p` times the most likely one (0 disables).
@@ -58,12 +70,13 @@ class SamplingParams:
             the text is cut before the stop string.
         ignore_eos: keep generating past the model's end-of-sequence tokens.
         repetition_penalty: transformers' CTRL-style penalty on every token already in prompt or output:
-            a logit x becomes x / penalty if x > 0, else x * penalty (1 disables).
+            a logit x becomes x / penalty if x > 0, else x * penalty (1 disables). In
+            [`FP32_TINY`, `FP32_MAX`] (a normal fp32 number).
         presence_penalty: OpenAI/vLLM: subtracted once from the logit of every token already generated
             (prompt tokens do not count; 0 disables; may be negative).
         frequency_penalty: OpenAI/vLLM: subtracted from a token's logit once per time it was generated.
         logit_bias: `{token_id: bias}` added to those logits before everything else (transformers'
-            `sequence_bias` with one-token sequences).
+            `sequence_bias` with one-token sequences). Biases are at most `FP32_MAX` in magnitude.
         bad_words_ids: token sequences never to generate (transformers' semantics: a one-token entry
             is always banned, a longer one bans its last token after the rest; end-of-sequence tokens
             alone are never banned).
@@ -114,7 +127,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Whether the request takes the argmax: a temperature below `SAMPLING_EPS`."""
+        return self.temperature < SAMPLING_EPS
 
     @property
     def stop_strings(self) -> list[str]:
@@ -141,8 +155,9 @@ class SamplingParams:
                 f"min_new_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
                 f"got {self.min_new_tokens!r}"
             )
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= FP32_MAX:
+            raise ValueError(f"temperature must be a number in [0, {FP32_MAX:.4g}] (below {SAMPLING_EPS:g} = "
+                             f"greedy), got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
@@ -168,8 +183,9 @@ class SamplingParams:
         ):
             raise ValueError(f"num_speculative_tokens must be None or an integer in [0, {MAX_SPECULATIVE_TOKENS}], got "
                              f"{self.num_speculative_tokens!r}")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.repetition_penalty) or not FP32_TINY <= self.repetition_penalty <= FP32_MAX:
+            raise ValueError(f"repetition_penalty must be a number in [{FP32_TINY:.4g}, {FP32_MAX:.4g}] (a normal "
+                             f"fp32 number > 0), got {self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
@@ -177,10 +193,10 @@ class SamplingParams:
         in_vocab = (lambda t: _is_int(t) and t >= 0 and (vocab_size is None or t < vocab_size))
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or not all(
-                in_vocab(t) and _is_number(b) for t, b in self.logit_bias.items()
+                in_vocab(t) and _is_number(b) and abs(b) <= FP32_MAX for t, b in self.logit_bias.items()
             ):
-                raise ValueError("logit_bias must map in-vocabulary token ids to finite numbers, got "
-                                 f"{self.logit_bias!r}")
+                raise ValueError(f"logit_bias must map in-vocabulary token ids to numbers in [-{FP32_MAX:.4g}, "
+                                 f"{FP32_MAX:.4g}], got {self.logit_bias!r}")
         if self.bad_words_ids is not None:
             if not isinstance(self.bad_words_ids, (list, tuple)) or not all(
                 isinstance(w, (list, tuple)) and len(w) > 0 and all(in_vocab(t) for t in w) for w in self.bad_words_ids

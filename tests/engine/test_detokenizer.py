@@ -6,7 +6,13 @@ produce them. Loading the tokenizer from the converted checkpoint takes well und
 
 from __future__ import annotations
 
+import re
+import time
+import tracemalloc
+from datetime import timedelta
+
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,6 +22,7 @@ from hf_paged.engine.detokenizer import (
     MAX_PENDING_TOKENS,
     NUM_PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
+    StopStringMatcher,
     find_stop_string,
 )
 
@@ -396,20 +403,175 @@ def test_add_decodes_a_bounded_window(tokenizer, prompt):
     assert max(max(c, default=0) for c in calls_per_add) <= NUM_PROMPT_CONTEXT_TOKENS + 4
 
 
-def test_stop_search_scans_only_new_text(tokenizer, prompt, monkeypatch):
-    scanned = []
+def test_stop_check_feeds_each_character_once(tokenizer, prompt, monkeypatch):
+    pushed = []
+    push = StopStringMatcher.push
 
-    def spy(text, stop_strings, start=0):
-        scanned.append(len(text) - start)
-        return find_stop_string(text, stop_strings, start)
+    def spy(self, text):
+        pushed.append(len(text))
+        return push(self, text)
 
-    monkeypatch.setattr(detokenizer, "find_stop_string", spy)
+    monkeypatch.setattr(StopStringMatcher, "push", spy)
     stops = ["never appears in the text", "dox"]  # "do" of "double" is held, then released
     text = MULTILINGUAL * 20
     detok, deltas, last = stream(tokenizer, prompt, encode(tokenizer, text), stop_strings=stops)
     assert detok.text == text and detok.stop_hit is None
-    longest = max(map(len, stops))
-    # Each scan covers the held tail (shorter than the longest stop) and one step's new text, so
-    # the total is the text plus a bounded overlap per token, and no scan grows with the output.
-    assert sum(scanned) <= len(text) + (longest - 1) * len(scanned)
-    assert max(scanned) < longest + 32
+    # The held tail is never fed again: each character is pushed once, in one step's new text.
+    assert sum(pushed) == len(text)
+    assert max(pushed) < 32
+
+
+# --- adversarial stop strings -------------------------------------------------------------------
+
+# Stop strings that overlap themselves and each other ("aaaa", "abab...abx", prefixes and suffixes
+# of one another, duplicates), over multi-byte characters and '\ufffd'. None holds "\n": the chat
+# prompt ends in "\n", so a stop string cannot begin in the prompt, which stock's check would see.
+UNITS = ["a", "b", "x", " ", "é", "世", "🙂", R]
+
+
+@st.composite
+def adversarial_stops(draw) -> list[str]:
+    period = st.sampled_from(["a", "ab", "aab", "aba", "é", "🙂", R, "世a"])
+    tail = st.sampled_from(["", "x", "a", "b", "é", R])
+    stop = st.one_of(
+        st.builds(lambda p, n, t: p * n + t, period, st.integers(1, 12), tail),
+        st.lists(st.sampled_from(UNITS), min_size=1, max_size=8).map("".join),
+    )
+    stops = draw(st.lists(stop, min_size=1, max_size=4))
+    for s in draw(st.lists(st.sampled_from(stops), max_size=3)):
+        k = draw(st.integers(1, len(s)))
+        stops.append(draw(st.sampled_from([s[:k], s[-k:], s])))
+    return draw(st.permutations(stops))
+
+
+@st.composite
+def text_near(draw, stops: list[str]) -> str:
+    """Stop strings, their prefixes and suffixes, and single characters: matches, near misses and
+    long held tails all occur."""
+    pieces = []
+    for _ in range(draw(st.integers(0, 10))):
+        stop = draw(st.sampled_from(stops))
+        k = draw(st.integers(0, len(stop)))
+        pieces.append(draw(st.one_of(st.sampled_from([stop, stop[:k], stop[k:]]), st.sampled_from(UNITS))))
+    return "".join(pieces)
+
+
+def naive_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """`text` cut before its first stop string, read one character at a time (the longest of those
+    ending at the same character), and that stop string."""
+    for end in range(1, len(text) + 1):
+        for stop in sorted(stops, key=len, reverse=True):
+            if text.endswith(stop, 0, end):
+                return text[: end - len(stop)], stop
+    return text, None
+
+
+def naive_shown(text: str, stops: list[str]) -> str:
+    """What may show of `text`: cut before a stop string, else without its longest suffix that is
+    a proper prefix of a stop string."""
+    cut, stop = naive_cut(text, stops)
+    if stop is not None:
+        return cut
+    held = max((k for s in stops for k in range(1, min(len(s), len(text) + 1)) if text.endswith(s[:k])), default=0)
+    return text[: len(text) - held]
+
+
+def encode_by_character(tokenizer, text: str) -> list[int]:
+    """ASCII runs encoded whole, other characters one at a time: no token holds bytes of two characters."""
+    return [i for run in re.findall(r"[\x00-\x7f]+|[^\x00-\x7f]", text) for i in encode(tokenizer, run)]
+
+
+def stream_checking_each_step(tokenizer, prompt, ids, stops, skip_special_tokens=True):
+    """Streams `ids` until a stop string; after each token whose text ends in a whole character,
+    checks that all but the held tail shows. Returns the detokenizer and the index of the stop's token."""
+    detok = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens=skip_special_tokens, stop_strings=stops)
+    deltas, hit_at = [], None
+    for i, token_id in enumerate(ids):
+        deltas.append(detok.add(token_id))
+        decoded = tokenizer.decode(ids[: i + 1], skip_special_tokens=skip_special_tokens)
+        if not decoded.endswith(R):  # else a character may be unfinished, and the stream waits
+            assert detok.text == "".join(deltas) == naive_shown(decoded, stops)
+        if detok.stop_hit is not None:
+            hit_at = i
+            break
+    deltas.append(detok.finish())
+    assert detok.text == "".join(deltas)
+    return detok, hit_at
+
+
+@settings(max_examples=200, deadline=timedelta(seconds=5))
+@given(data=st.data())
+def test_adversarial_stop_strings_cut_like_a_naive_scan(tokenizer, prompt, data):
+    """Any tokenization, special tokens shown or skipped: each step shows all but the held tail, and
+    the text is decode(ids) cut before the first stop string."""
+    stops = data.draw(adversarial_stops())
+    text = data.draw(text_near(stops))
+    ids = (encode_by_character if data.draw(st.booleans()) else encode)(tokenizer, text)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for index in data.draw(st.lists(st.integers(0, len(ids)), max_size=2)):
+        ids.insert(index, im_end)
+    skip = data.draw(st.booleans())
+    detok, _ = stream_checking_each_step(tokenizer, prompt, ids, stops, skip)
+    assert (detok.text, detok.stop_hit) == naive_cut(tokenizer.decode(ids, skip_special_tokens=skip), stops)
+
+
+@settings(max_examples=8, deadline=timedelta(seconds=10))  # building StopStringCriteria takes ~0.3 s
+@given(data=st.data())
+def test_adversarial_stop_strings_stop_at_stocks_token(tokenizer, prompt, data):
+    """The stop hits at the token where transformers' `StopStringCriteria` (generate's
+    `stop_strings`) first stops, run on the prompt and the generated ids.
+
+    The ids are restricted to what both see alike. Stock matches the UTF-8 bytes of the raw tokens:
+    it sees special tokens' text (skip_special_tokens=True drops it), so there are none; it sees a
+    stop string once its last byte arrives, which the stream shows only once no character is left
+    unfinished, so no token holds bytes of two characters (`encode_by_character`); and the output
+    holds no '\ufffd', which the stream cannot tell from an unfinished character (stop strings do).
+    """
+    from transformers.generation.stopping_criteria import StopStringCriteria
+
+    stops = data.draw(adversarial_stops())
+    text = data.draw(text_near(stops)).replace(R, "")
+    ids = encode_by_character(tokenizer, text)
+    detok, hit_at = stream_checking_each_step(tokenizer, prompt, ids, stops)
+    assert (detok.text, detok.stop_hit) == naive_cut(text, stops)
+
+    criteria = StopStringCriteria(tokenizer, stops)
+    sequence = torch.tensor([prompt + ids])
+    stock_hit_at = next((i for i in range(len(ids)) if criteria(sequence[:, : len(prompt) + i + 1], None)[0]), None)
+    assert hit_at == stock_hit_at
+
+
+@pytest.mark.parametrize(
+    "stops",
+    [
+        pytest.param(["ab" * 2_500 + "x"], id="5k"),
+        pytest.param(["ab" * 5_000 + "x"], id="10k"),
+        pytest.param(["ab" * 10_000 + "x"], id="20k"),
+        pytest.param(["ab" * 20_000 + "x"], id="40k"),
+        pytest.param(["ab" * 25_000 + "x", "ab" * 24_999 + "bb", "ab" * 20_000 + "a" * 10_000,
+                      "ab" * 2_500 + "ba" * 22_500], id="4x50k"),
+    ],
+)
+def test_long_stop_strings_cost_linear_memory_and_time(tokenizer, prompt, stops):
+    """Long, self-overlapping stop strings, and a text that stays a prefix of them for thousands of
+    characters: memory and time grow linearly with the stop strings' length (they grew with its
+    square: 13 / 49 / 194 / 767 MiB for one stop string of 5k / 10k / 20k / 40k characters)."""
+    num_chars = sum(map(len, stops))
+    tracemalloc.start()
+    try:
+        IncrementalDetokenizer(tokenizer, prompt, stop_strings=stops)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * num_chars + 256 * 1024  # the prefix functions take 4 bytes per character
+
+    text = "ab" * 2_000
+    ids = encode(tokenizer, text)
+    started = time.perf_counter()
+    detok = IncrementalDetokenizer(tokenizer, prompt, stop_strings=stops)
+    assert "".join(detok.add(i) for i in ids) == ""  # it may still become every stop string: all held
+    assert detok.add(encode(tokenizer, "!")[0]) == text + "!"  # "!" rules them all out
+    elapsed = time.perf_counter() - started
+    # About 0.25 s for 200k characters, 2,000 tokens' decoding included (one 40k stop string took
+    # 1.1 s to build before); the bound leaves room for a loaded machine.
+    assert elapsed < 0.25 + 3.5e-6 * num_chars

@@ -404,3 +404,14 @@ def test_dropin_sampling_runs_through_the_engine_and_follows_manual_seed(engine_
     assert len(engine_calls) == 3
     assert a.shape == (3, input_ids.shape[1] + NEW) and torch.equal(a[:, : input_ids.shape[1]], input_ids)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_a_string_prompt_with_a_lone_surrogate_is_refused_by_name():
+    """No tokenizer encodes a lone surrogate (the fast ones raise an opaque TypeError): the engine names
+    it, and the other prompts of the call still run."""
+    engine = Engine(tiny_model("llama", "hf_paged"), _CharTokenizer(), num_blocks=32, block_size=4)
+    with pytest.raises(ValueError, match=r"the prompt holds a lone surrogate \(U\+D800 at character 3\)"):
+        engine.add_request("ab\ud800c")
+    bad, good = engine.generate(["ab\udfff", "abc"], SamplingParams(max_new_tokens=2))
+    assert bad.finish_reason == "error" and "lone surrogate" in str(bad.error)
+    assert good.finish_reason == "length" and len(good.token_ids) == 2

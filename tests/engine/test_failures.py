@@ -98,7 +98,7 @@ STAGES = {
                  dict(speculative_method="ngram", num_speculative_tokens=3), {}),
     "detokenizing": (lambda mp, c: Injector(mp, detokenizer.IncrementalDetokenizer, "add", c),
                      dict(tokenizer=True), dict(stop=["zzzz"])),
-    "stop_string_check": (lambda mp, c: Injector(mp, detokenizer, "find_stop_string", c),
+    "stop_string_check": (lambda mp, c: Injector(mp, detokenizer.StopStringMatcher, "push", c),
                           dict(tokenizer=True), dict(stop=["zzzz"])),
 }
 
@@ -225,7 +225,7 @@ def test_a_text_failure_after_some_tokens_ends_only_its_request(monkeypatch, sto
     prompts = _prompts()
     stop = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, stop=["zzzz"])
     plain = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW)
-    Injector(monkeypatch, detokenizer, "find_stop_string", calls=range(4, 10**9))
+    Injector(monkeypatch, detokenizer.StopStringMatcher, "push", calls=range(4, 10**9))
     outs = engine.generate(prompts, [plain, stop, plain])
     monkeypatch.undo()
     assert outs[1].finish_reason == "error" and "injected" in str(outs[1].error)

@@ -18,6 +18,7 @@ from transformers import GenerationConfig, LlamaConfig, AutoModelForCausalLM
 
 import hf_paged.integrations.batch_generate as batch_generate
 from hf_paged.integrations.generation_config import merged_generation_config, sampling_params_from
+from hf_paged.worker.sampling import SAMPLING_EPS
 from stats import chi2_critical, chi2_statistic
 from tiny_models import VOCAB, tiny_model
 
@@ -211,3 +212,38 @@ def test_an_unsupported_setting_is_served_by_stock_with_stock_output(engine_call
     out = tiny_model("llama", "hf_paged").generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     ref = tiny_model("llama", "sdpa").generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
     assert engine_calls == [False] and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-38, 1e-6])
+def test_a_sampling_temperature_below_the_engines_epsilon_falls_back(temperature):
+    """The engine decodes temperatures below SAMPLING_EPS greedily; stock with `do_sample` samples from
+    logits / temperature (or from NaNs, where that overflows): its scores and draws differ, so stock
+    serves the call. Without `do_sample` stock ignores the temperature: greedy on both sides."""
+    reason = sampling_params_from(_merged(do_sample=True, temperature=temperature), input_width=4)
+    assert isinstance(reason, str) and "temperature" in reason, reason
+    greedy = sampling_params_from(_merged(temperature=temperature), input_width=4)
+    assert greedy.is_greedy and greedy.temperature == 0.0
+    at_eps = sampling_params_from(_merged(do_sample=True, temperature=SAMPLING_EPS), input_width=4)
+    assert at_eps.temperature == SAMPLING_EPS and not at_eps.is_greedy
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", 1e39), ("repetition_penalty", 1e-40), ("sequence_bias", {(5,): 1e39}),
+])
+def test_a_value_outside_fp32_falls_back(field, value):
+    """Values the engine's `validate` refuses (they leave fp32 once cast) are stock's to serve."""
+    reason = sampling_params_from(_merged(do_sample=True, **{field: value}), input_width=4, vocab_size=VOCAB)
+    assert isinstance(reason, str), reason
+
+
+def test_a_tiny_sampling_temperature_is_served_by_stock_with_stock_output(engine_calls):
+    ids = torch.tensor([PROMPT])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=True, temperature=1e-6,
+                  return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(0)
+    out = tiny_model("llama", "hf_paged").generate(ids, **kwargs)
+    torch.manual_seed(0)
+    ref = tiny_model("llama", "sdpa").generate(ids, **kwargs)
+    assert engine_calls == [False] and torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):  # logits / 1e-6, not the engine's greedy (undivided) rows
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 / 1e-6)

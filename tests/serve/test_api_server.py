@@ -7,15 +7,9 @@ The model: a tiny random Llama with SmolLM2's tokenizer (saved to a folder, as u
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -23,53 +17,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow
 
-KEY = "sk-test-" + "x" * 24
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    def __init__(self, model_dir, *args, key: str | None = KEY, host: str = "127.0.0.1"):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "hf_paged.cli", "serve", str(model_dir), "--served-model-name", "tiny",
-               "--host", host, "--port", str(self.port), "--max-model-len", "256", "--max-tokens", "64", *args]
-        if key is not None:
-            cmd += ["--api-key", key]
-        env = {k: v for k, v in os.environ.items() if k != "HF_PAGED_API_KEY"}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        else:
-            raise TimeoutError("server did not start")
-        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-
-    def post(self, path: str, **kwargs):
-        kwargs.setdefault("headers", self.headers)
-        return httpx.post(self.url + path, timeout=60, **kwargs)
-
-    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+from served import KEY, Served  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +86,24 @@ def test_n_logprobs_and_stop(server):
         cut = client.completions.create(model="tiny", prompt="Hello", max_tokens=16, temperature=0, stop=[stop])
         assert stop not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
         assert base.startswith(cut.choices[0].text)
+
+
+def test_streamed_logprobs_come_in_openais_chunk_format_and_equal_the_non_streamed_ones(server):
+    client = server.client()
+    kwargs = dict(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert all(c.choices[0].logprobs is not None for c in chunks)  # before: every chunk said null
+    joined = {key: [v for c in chunks for v in getattr(c.choices[0].logprobs, key)]
+              for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert joined == {key: getattr(whole, key) for key in joined}
+    assert all(len(top) <= 2 for top in joined["top_logprobs"])
+    messages = [{"role": "user", "content": "Count to five."}]
+    chat = dict(model="tiny", messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**chat).choices[0].logprobs.content
+    parts = [c for c in client.chat.completions.create(**chat, stream=True) if c.choices and c.choices[0].logprobs]
+    streamed = [entry for c in parts for entry in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in whole] and len(whole) == 10
 
 
 ENDPOINTS = [("get", "/v1/models", None), ("get", "/metrics", None),
@@ -287,5 +253,5 @@ def test_no_key_on_a_public_host_warns_at_start(model_dir):
         assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
     finally:
         s.stop()
-    err = s.proc.stderr.read()
+    err = s.stderr()
     assert "WARNING" in err and "--api-key" in err

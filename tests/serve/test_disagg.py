@@ -47,6 +47,19 @@ def _settled(engine, key: str, expected, timeout: float = 5.0):
         time.sleep(0.1)
 
 
+def test_a_step_longer_than_the_heartbeat_timeout_is_not_taken_for_death():
+    """The loop beats between steps; a pulse thread beats during a long one (before it, a worker whose
+    one step outlasted `heartbeat_timeout` was killed as hung: a 2,048-token SmolLM2 prefill takes
+    ~9 s on one slow core, past the default 10 s with three workers on two cores)."""
+    greedy = SamplingParams(max_new_tokens=4)
+    slow = {name: {"slow_step_seconds": 1.5} for name in ("prefill0", "decode0")}
+    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1, heartbeat_timeout=0.8,
+                             faults=slow) as engine:
+        out = engine.generate(PROMPTS[:3], greedy)
+        assert engine.metrics()["dead_workers"] == []
+    assert [o.token_ids for o in out] == _reference(PROMPTS[:3], greedy)
+
+
 @pytest.mark.parametrize("num_prefill, num_decode", [(1, 2), (2, 1)])
 def test_greedy_and_seeded_outputs_equal_one_engine_with_exact_kv_accounting(num_prefill, num_decode):
     greedy = SamplingParams(max_new_tokens=12)

@@ -157,3 +157,70 @@ def test_api_error_body_shape():
     err = APIError(429, "busy", type="rate_limit_error")
     assert err.body() == {"error": {"message": "busy", "type": "rate_limit_error", "param": None, "code": None}}
     assert err.status == 429
+
+
+@pytest.mark.parametrize("fields, flag", [
+    ({"stop": ["a", "b", "c"]}, "--max-stop"),
+    ({"stop": "x" * 33}, "--max-stop-chars"),
+    ({"stop": ["ok", "y" * 33]}, "--max-stop-chars"),
+    ({"logit_bias": {str(i): 1 for i in range(9)}}, "--max-logit-bias"),
+])
+def test_each_cap_is_a_400_that_names_its_flag(fields, flag):
+    limits = Limits(max_stop=2, max_stop_chars=32, max_logit_bias=8)
+    with pytest.raises(APIError) as info:
+        parse("completion", {"model": "m", "prompt": "x", **fields}, ["m"], limits, VOCAB)
+    assert info.value.status == 400 and flag in info.value.message
+    at_cap = {"stop": ["z" * 32] * 2, "logit_bias": {str(i): 1 for i in range(8)}}
+    assert parse("completion", {"model": "m", "prompt": "x", **at_cap}, ["m"], limits, VOCAB).stop == ["z" * 32] * 2
+
+
+def test_a_huge_stop_list_is_refused_before_its_items_are_looked_at():
+    stops = ["a"] * 100_000 + [None]  # a bad item past the cap: the count is what is reported
+    assert "--max-stop" in refused(completion, stop=stops).message
+
+
+def test_every_cap_is_a_server_flag_with_its_default():
+    flags = {flag: default for _, flag, default, _ in Limits.flags()}
+    assert flags["--max-stop-chars"] == Limits().max_stop_chars and flags["--max-logit-bias"] == Limits().max_logit_bias
+    assert "--max-model-len" not in flags  # the model's, not a request cap default
+    with pytest.raises(ValueError, match="max_stop"):
+        Limits(max_stop=0)
+
+
+@pytest.mark.parametrize("raw, where", [
+    (b'{"model": "m", "prompt": "a\\ud800"}', "body.prompt"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\\udfff"}]}', "body.messages[0].content"),
+    (b'{"model": "m", "\\udc80": 1}', "a key of body"),
+])
+def test_decode_body_refuses_lone_surrogates_and_names_where(raw, where):
+    from hf_paged.serve.openai_protocol import decode_body
+
+    with pytest.raises(APIError) as info:
+        decode_body(raw)
+    assert info.value.status == 400 and info.value.message.startswith(where)
+    assert decode_body(b'{"p": "\\ud83d\\ude00"}') == {"p": "\U0001F600"}  # a valid pair is one character
+
+
+@pytest.mark.parametrize("raw", [b"\xff", b'{"a": ' + b"9" * 5000 + b"}", b"[" * 100_000, b"{", b""])
+def test_decode_body_turns_what_python_cannot_parse_into_400(raw):
+    from hf_paged.serve.openai_protocol import decode_body
+
+    with pytest.raises(APIError) as info:
+        decode_body(raw)
+    assert info.value.status == 400
+
+
+def test_the_openapi_document_describes_every_field_and_cap():
+    from hf_paged.serve.openapi import openapi_document
+
+    limits = Limits(max_stop=3, max_stop_chars=50, max_logit_bias=7)
+    doc = openapi_document("m", limits, VOCAB)
+    completion = doc["components"]["schemas"]["CompletionRequest"]
+    chat = doc["components"]["schemas"]["ChatRequest"]
+    assert set(completion["properties"]) == COMPLETION_FIELDS and set(chat["properties"]) == CHAT_FIELDS
+    stop = completion["properties"]["stop"]["oneOf"]
+    assert stop[0]["maxLength"] == 50 and stop[1]["maxItems"] == 3
+    assert completion["properties"]["logit_bias"]["maxProperties"] == 7
+    assert set(doc["paths"]) == {"/health", "/v1/models", "/metrics", "/openapi.json", "/v1/completions",
+                                 "/v1/chat/completions"}
+    assert doc["paths"]["/health"]["get"]["security"] == []
