@@ -54,7 +54,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.worker.sampler import Sampler, SampleRow, processed_logits
-from hf_paged.worker.sampling import SamplingParams, SamplingState
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.sampling import SamplingState
 
 
 # ====================================================================== baseline: the per-row loop

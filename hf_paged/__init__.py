@@ -20,7 +20,7 @@ from .core import NoFreeBlocksError
 from .engine import AsyncEngine, Engine, EngineClosedError, RequestHandle, RequestOutput, StreamEvent
 from .hf import PagedCache, attach, detach, invalidate
 from .spec_decode import layer_skip_draft
-from .worker import SamplingParams
+from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 

@@ -90,7 +90,7 @@ def _batch_job(parser, args) -> int:
         parser.error("give either a prompt or --input, not both")
     from .engine import Engine
     from .integrations.jobs import done_indices, read_rows, run_job
-    from .worker import SamplingParams
+    from .sampling_params import SamplingParams
     from .worker.cpu_caches import bound_cpu_kernel_caches
 
     bound_cpu_kernel_caches()  # a long job: memory stays flat as step shapes vary

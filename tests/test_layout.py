@@ -22,7 +22,7 @@ CHAIN = ["core", "attention", "hf", "worker", "spec_decode", "engine", "integrat
 # They stand apart: nothing of the chain imports them, and they import only the leaf `config`
 # (`defaults` uses the package only through transformers' public `attn_implementation` flag).
 APART = ["planner", "defaults"]
-LEAVES = {"config", "text"}  # import nothing of hf_paged; anyone may import them
+LEAVES = {"config", "text", "sampling_params"}  # import only each other; anyone may import them
 TOP = {"__init__", "cli"}  # the public front: may import anything, imported by nobody below
 
 
@@ -127,7 +127,7 @@ def test_the_stub_really_blocks_torch():
 def _direction_violation(src: str, dst: str) -> str | None:
     """Why an import from room `src` of room `dst` breaks the layout, or None if it is allowed."""
     rank = {room: i for i, room in enumerate(CHAIN)}
-    if src in LEAVES and dst != src:
+    if src in LEAVES and dst not in LEAVES:
         return f"{src} must stay a leaf"
     if src == dst or dst in LEAVES:
         return None
@@ -199,11 +199,14 @@ def test_no_import_cycles_between_sub_packages():
     assert _find_cycle(graph) is None, f"sub-package import cycle: {_find_cycle(graph)}"
 
 
-def test_no_module_level_import_cycles():
+@pytest.mark.parametrize("top_level_only", [True, False], ids=["module-level", "with-lazy-imports"])
+def test_no_module_import_cycles(top_level_only):
+    """No module imports itself back, counting the imports inside functions too: a lazy import only
+    hides a cycle from the interpreter, not from the design."""
     modules = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        for target, names, _ in _imports(name, path, top_level_only=True):
+        for target, names, _ in _imports(name, path, top_level_only=top_level_only):
             # `from .pkg import mod` names a module; `from .mod import f` names the module itself.
             deps = [f"{target}.{n}" if f"{target}.{n}" in modules else target for n in names] or [target]
             graph.setdefault(name, set()).update(d for d in deps if d in modules and d != name)

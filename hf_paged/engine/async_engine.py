@@ -23,7 +23,7 @@ import functools
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from ..worker.sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .delivery import Inbox
 from .engine import Engine, EngineClosedError
 from .outputs import RequestOutput, StreamEvent

@@ -42,7 +42,8 @@ from ..spec_decode import ProposalRequest, make_proposer, verify_greedy
 from ..worker import Chunk, ModelRunner
 from ..worker.cuda_graphs import batch_size_buckets, check_cuda_graphs, max_seqlen_buckets
 from ..worker.sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, logprobs_of
-from ..worker.sampling import SamplingParams, SamplingState, draw_seed, sample_seed
+from ..sampling_params import SamplingParams
+from ..worker.sampling import SamplingState, draw_seed, sample_seed
 from .delivery import Inbox, RequestHandle, drain
 from .detokenizer import IncrementalDetokenizer
 from .inputs import as_params_list, as_prompt_list, as_token_id_list, model_eos_token_ids, prompt_token_ids

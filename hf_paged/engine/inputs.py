@@ -12,7 +12,7 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from ..text import refuse_lone_surrogates
-from ..worker.sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:

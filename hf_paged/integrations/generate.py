@@ -20,8 +20,6 @@ The only module that patches transformers: checked against the installed version
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import logging
 import warnings
@@ -33,6 +31,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..config import PagedCacheConfig
 from ..hf import PagedCache, attach
+from .intercept import current_answer
 from .returned_cache import ReturnedCache
 
 logger = logging.getLogger(__name__)
@@ -42,8 +41,6 @@ SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
 _TARGET = "_prepare_cache_for_generation"
 _original = None
 _original_generate = None
-# Inside `intercept_generate`: the function answering `generate` calls.
-_intercept: contextvars.ContextVar = contextvars.ContextVar("hf_paged_generate_intercept", default=None)
 
 
 def is_supported_version(version: str | None = None) -> bool:
@@ -119,7 +116,7 @@ def _install_generate() -> None:
 
     @functools.wraps(original_generate)
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
-        answer = _intercept.get()
+        answer = current_answer()
         if answer is not None:
             result = answer(self, inputs, generation_config, args, kwargs)
             if result is not NotImplemented:
@@ -139,19 +136,6 @@ def _install_generate() -> None:
         return original_generate(self, inputs, generation_config, *args, **kwargs)
 
     GenerationMixin.generate = generate
-
-
-@contextlib.contextmanager
-def intercept_generate(answer):
-    """Within the block (this thread or task), a `model.generate(inputs, generation_config, *args,
-    **kwargs)` call of any model (a wrapper such as PEFT's calls its base model's) returns
-    `answer(model, inputs, generation_config, args, kwargs)` instead of generating; an answer of
-    `NotImplemented` lets the call generate as usual (the pipeline integration uses it)."""
-    token = _intercept.set(answer)
-    try:
-        yield
-    finally:
-        _intercept.reset(token)
 
 
 def _wants_compileable_cache(model, generation_config, kwargs: dict) -> bool:

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from ..worker.sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .generation_config import eos_token_ids_of, sampling_params_from
 
 logger = logging.getLogger(__name__)

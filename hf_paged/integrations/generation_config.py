@@ -34,7 +34,7 @@ from transformers import GenerationConfig
 
 from ..config import MAX_SPECULATIVE_TOKENS
 from ..engine.inputs import as_token_id_list
-from ..worker.sampling import SAMPLING_EPS, SamplingParams
+from ..sampling_params import SAMPLING_EPS, SamplingParams
 
 # Fields mapped onto SamplingParams / the engine's call (see `sampling_params_from`).
 HONOURED = frozenset({

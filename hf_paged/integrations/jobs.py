@@ -41,7 +41,7 @@ from pathlib import Path
 from ..engine import Engine
 from ..engine.delivery import Inbox
 from ..text import refuse_lone_surrogates
-from ..worker import SamplingParams
+from ..sampling_params import SamplingParams
 from .optional import require
 
 logger = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from transformers.pipelines.text_generation import TextGenerationPipeline
 from ..engine import Engine
 from ..engine.delivery import Inbox
 from ..engine.outputs import RequestOutput
-from . import generate as patch
 from .batch_generate import EngineCall, build_output, model_engine, plan_engine_call, try_engine_generate, widen_engine
+from .intercept import intercept_generate
 
 # Rows queued in the engine ahead of the pipeline's consumer (or two batches, if more).
 IN_FLIGHT_ROWS = 64
@@ -186,7 +186,7 @@ class EngineFeeder:
 
     def _forward(self, batch: dict, answer):
         """The pipeline's `forward(batch)`, its `generate` call answered by `answer`."""
-        with patch.intercept_generate(answer):
+        with intercept_generate(answer):
             return self.pipe.forward(dict(batch), **self.forward_params)
 
     def _capture(self, batch: dict) -> _Batch:

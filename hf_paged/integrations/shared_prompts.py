@@ -16,7 +16,7 @@ import dataclasses
 
 from ..engine import Engine
 from ..engine.outputs import CompletionOutput
-from ..worker.sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def share_groups(rows: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:

@@ -38,7 +38,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from ..engine import AsyncEngine, EngineClosedError
-from ..worker import SamplingParams
+from ..sampling_params import SamplingParams
 from ..worker.cpu_caches import bound_cpu_kernel_caches
 from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
 from .openapi import openapi_document

@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence as SequenceABC
 import torch
 
 from ..engine.outputs import CompletionOutput, RequestOutput, StreamEvent
-from ..worker import SamplingParams
+from ..sampling_params import SamplingParams
 from ..worker.sampling import draw_seed
 from .mailbox import Mailbox
 from .models import ModelFromPath

@@ -38,7 +38,7 @@ import torch
 
 from ..engine import Engine
 from ..engine.delivery import Inbox
-from ..worker import SamplingParams
+from ..sampling_params import SamplingParams
 from . import transfer
 from .mailbox import Mailbox
 

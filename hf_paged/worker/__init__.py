@@ -2,8 +2,8 @@
 
 * `runner.py`: `ModelRunner`, one packed `[1, num_tokens]` forward of a transformers model over a
   `PagedCache`, with its `StepMetadata`; returns only the logits rows that are sampled.
-* `sampling.py`: `SamplingParams` (transformers' and vLLM's field names), `SamplingState` (a request's
-  incrementally kept penalty and n-gram state) and the counter-based random numbers.
+* `sampling.py`: `SamplingState` (a request's incrementally kept penalty and n-gram state, from its
+  `hf_paged.sampling_params.SamplingParams`) and the counter-based random numbers.
 * `sampler.py`: the batched `Sampler`: every row of a step processed and sampled together, with
   logprobs, scores and raw logits on request.
 * `cuda_graphs.py`: `DecodeGraphs`, decode steps captured per (batch bucket, max_seqlen_k bucket)
@@ -17,7 +17,7 @@ Neither decides which requests run (that is `core.scheduler`) nor holds request 
 from .cpu_caches import bound_cpu_kernel_caches
 from .runner import Chunk, ModelRunner
 from .sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, processed_logits, sample_processed
-from .sampling import SamplingParams, SamplingState, draw_seed, sample_seed, uniform
+from .sampling import SamplingState, draw_seed, sample_seed, uniform
 
-__all__ = ["bound_cpu_kernel_caches", "Chunk", "ModelRunner", "SampleRow", "Sampler", "SamplerOutput", "SamplingParams", "SamplingState",
+__all__ = ["bound_cpu_kernel_caches", "Chunk", "ModelRunner", "SampleRow", "Sampler", "SamplerOutput", "SamplingState",
            "TokenLogprobs", "draw_seed", "processed_logits", "sample_processed", "sample_seed", "uniform"]

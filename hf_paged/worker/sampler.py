@@ -42,7 +42,8 @@ import torch
 
 from ..attention.metadata import host_to_device
 from ..attention.torch_paged import Workspace
-from .sampling import FP32_MAX, SamplingState, uniform
+from ..sampling_params import FP32_MAX
+from .sampling import SamplingState, uniform
 
 # Top-p without top-k: the nucleus is read off the most likely tokens (1024, then 16384 for the rows
 # still undecided) when their mass exceeds top_p and no kept/dropped decision lies within

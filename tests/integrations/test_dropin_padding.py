@@ -16,7 +16,7 @@ import torch
 
 import hf_paged  # noqa: F401  (installs the generate patch)
 from hf_paged.engine import Engine
-from hf_paged.worker.sampling import SamplingParams
+from hf_paged.sampling_params import SamplingParams
 from tiny_models import VOCAB, tiny_model
 
 PADDING = 123  # the id under the mask; the generation config's pad_token_id is 0

@@ -18,7 +18,7 @@ from transformers import GenerationConfig, LlamaConfig, AutoModelForCausalLM
 
 import hf_paged.integrations.batch_generate as batch_generate
 from hf_paged.integrations.generation_config import merged_generation_config, sampling_params_from
-from hf_paged.worker.sampling import SAMPLING_EPS
+from hf_paged.sampling_params import SAMPLING_EPS
 from stats import chi2_critical, chi2_statistic
 from tiny_models import VOCAB, tiny_model
 

@@ -48,7 +48,8 @@ from transformers import (
 )
 
 from hf_paged.worker.sampler import TOP_P_CANDIDATES, Sampler, SampleRow, logprobs_of, processed_logits
-from hf_paged.worker.sampling import SamplingParams, SamplingState, uniform
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.sampling import SamplingState, uniform
 from stats import chi2_critical, chi2_statistic
 
 EOS = [2, 7]  # the model's end-of-sequence ids (a lone eos in bad_words_ids is not banned)

@@ -19,7 +19,8 @@ import torch
 
 from hf_paged import Engine, SamplingParams
 from hf_paged.worker.sampler import Sampler, SampleRow, processed_logits
-from hf_paged.worker.sampling import FP32_MAX, FP32_TINY, SAMPLING_EPS, SamplingState
+from hf_paged.sampling_params import FP32_MAX, FP32_TINY, SAMPLING_EPS
+from hf_paged.worker.sampling import SamplingState
 from tiny_models import VOCAB, tiny_model
 
 TINY_TEMPERATURES = [1e-300, 1e-45, 1e-38, 1e-6]

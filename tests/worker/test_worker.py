@@ -15,7 +15,8 @@ from transformers import (
 )
 
 from hf_paged import PagedCache, PagedCacheConfig
-from hf_paged.worker import Chunk, ModelRunner, SamplingParams, SamplingState, processed_logits
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker import Chunk, ModelRunner, SamplingState, processed_logits
 from tiny_models import STOCK_ATTN, VOCAB, tiny_model
 
 EOS = [2, 7]
