@@ -26,7 +26,7 @@ import torch
 
 from ..attention.metadata import StepMetadata, build_packed_metadata, host_to_device
 from ..core import KVSequence
-from ..hf import PagedCache, decoder_of
+from ..hf import KVOwner, PagedCache, decoder_of
 from ..hf.linear import enable as enable_fast_linear, fast_linear
 from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
 
@@ -54,11 +54,13 @@ class Chunk:
 
 
 class ModelRunner:
-    """Runs packed forwards of `model` against `cache` (which owns the K/V tensors)."""
+    """Runs packed forwards of `model` against a cache's blocks; each forward is one `KVOwner` step
+    transaction (begin, then commit or abort)."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedCache):
+    def __init__(self, model: torch.nn.Module, kv: KVOwner | PagedCache):
         self.model = model
-        self.cache = cache
+        self.kv = kv if isinstance(kv, KVOwner) else KVOwner(kv)
+        self.cache = self.kv.cache  # the transformers Cache the model's layers write into
         self.device = next(model.parameters()).device
         params = inspect.signature(decoder_of(model).forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -94,7 +96,7 @@ class ModelRunner:
         if key is not None:
             logits = self._replay(key, chunks, began)
             if logits is not None:
-                self.cache.manager.commit_full_blocks(new_full_blocks)
+                self.kv.commit(new_full_blocks)
                 return logits
             began = time.perf_counter()  # the capture failed and graphs are off: this step runs eagerly
         input_ids, positions, keep = [], [], []
@@ -113,16 +115,15 @@ class ModelRunner:
         ids = host_to_device([input_ids], torch.long, self.device)  # [1, num_tokens]
         pos = host_to_device([positions], torch.long, self.device)  # [1, num_tokens]
         keep_index = host_to_device(keep, torch.long, self.device)  # [sum(num_logits)]
-        self.cache.begin_step(meta)
+        self.kv.begin(meta)
         called = time.perf_counter()
         self.last_metadata_seconds = called - began
         try:
             logits = self._call_model(ids, pos, keep_index, meta)
         except BaseException:
-            self.cache.abandon_step(reset_prefix_cache=False)  # this step published no block
-            self.cache.pool.discard_staged()
+            self.kv.abort()  # this step published no block
             raise
-        self.cache.manager.commit_full_blocks(new_full_blocks)
+        self.kv.commit(new_full_blocks)
         self.last_model_seconds = time.perf_counter() - called
         return logits
 
@@ -144,11 +145,10 @@ class ModelRunner:
             logger.warning("hf_paged: capturing a CUDA graph failed; decode steps run eagerly from now on",
                            exc_info=True)
             self.graphs = None
-            self.cache.abandon_step(reset_prefix_cache=False)  # a failed warm-up leaves its step unfinished
+            self.kv.abort()  # a failed warm-up leaves its step unfinished; the eager run stages afresh
             return None
         except BaseException:
-            self.cache.abandon_step(reset_prefix_cache=False)
-            self.cache.pool.discard_staged()
+            self.kv.abort()
             raise
         self.last_model_seconds = time.perf_counter() - called
         return logits
@@ -164,6 +164,6 @@ class ModelRunner:
                        meta: StepMetadata) -> torch.Tensor:  # [len(keep_index), vocab]
         """What a decode graph captures: the step begins inside, so that a replay that re-runs it (the
         tests' stand-in) sees a fresh step; a real graph runs only its kernels."""
-        self.cache.begin_step(meta)
+        self.kv.begin(meta)
         meta.reset_forward_state()  # after: the cache checks that the step it ran last (maybe this one) finished
         return self._call_model(ids, pos, keep_index, meta)

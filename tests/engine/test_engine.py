@@ -158,7 +158,7 @@ def test_abort_mid_stream_frees_blocks_and_others_finish():
     ids = [engine.add_request(p, params) for p in prompts]
     for _ in range(3):
         engine.step()
-    victim = engine._requests[ids[1]].request
+    victim = engine.core.requests[ids[1]].request
     held = len(victim.seq.block_table)
     assert held > 0
     free_before = engine.cache.pool.num_free_blocks

@@ -16,7 +16,7 @@ import torch
 
 import hf_paged.attention.dispatch as dispatch
 import hf_paged.engine.detokenizer as detokenizer
-import hf_paged.engine.engine as engine_module
+import hf_paged.engine.core as engine_module
 import hf_paged.worker.runner as runner_module
 from hf_paged import Engine, SamplingParams
 from hf_paged.core import BlockManager, Scheduler

@@ -84,7 +84,7 @@ def test_a_loop_that_dies_ends_every_waiting_request_with_an_error():
 
     async def main():
         engine = AsyncEngine(_engine())
-        real_step, calls = engine.engine._step, []
+        real_step, calls = engine.engine.core.step, []
 
         def dying_step():
             calls.append(1)
@@ -92,7 +92,7 @@ def test_a_loop_that_dies_ends_every_waiting_request_with_an_error():
                 raise LoopKilled("the loop dies")  # not an Exception: `advance` does not swallow it
             return real_step()
 
-        engine.engine._step = dying_step
+        engine.engine.core.step = dying_step
         out = await asyncio.wait_for(engine.generate(PROMPT, SamplingParams(max_new_tokens=50, ignore_eos=True)), 30)
         assert out.finish_reason == "error" and isinstance(out.error, RuntimeError)
         with pytest.raises(EngineClosedError):

@@ -1,0 +1,566 @@
+"""`EngineCore`: one step of continuous batching, and the requests it runs.
+
+    step = schedule (core.scheduler, drafts first) -> execute (executor.py: one packed forward)
+           -> sample (one batched sampler call over every row) -> update (commit tokens, finish)
+
+It owns the scheduler, the executor, the KV owner (`hf.KVOwner`), the sampler, the draft proposer
+and the registry of live requests. It knows no text and no tokenizer: text, stop strings, events and
+outputs are the output processor's (`output_processor.py`), called at fixed points of `update`.
+A step either commits or leaves no trace: a failure before the forward wrote the K/V requeues the
+step's requests; one after it rolls back the request it concerns alone.
+
+Single-threaded: the `Engine` front calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..core import KVSequence, Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
+from ..hf import KVOwner
+from ..sampling_params import SamplingParams
+from ..spec_decode import ProposalRequest, verify_greedy
+from ..worker import Chunk
+from ..worker.sampler import SampleRow, Sampler, SamplerOutput, logprobs_of
+from ..worker.sampling import SamplingState, sample_seed
+from .executor import Executor, ExecutorStep
+from .metrics import EngineMetrics, RequestMetrics
+from .output_processor import OutputProcessor
+from .outputs import RequestOutput, StreamEvent
+from .tracked import RequestGroup, TrackedRequest
+
+logger = logging.getLogger(__name__)
+
+# A request whose steps raise this many times ends with finish_reason="error" (a transient failure
+# is retried: the step is undone and the request recomputed); so does every unfinished request when
+# this many steps in a row fail before any request could be blamed (scheduling).
+MAX_STEP_FAILURES = 3
+
+
+class RequestError(ValueError):
+    """A failure that belongs to one request and will not go away on a retry (NaN logits)."""
+
+
+class EngineCore:
+    """Schedules, executes, samples and updates the engine's requests, one step at a time.
+
+    Args:
+        scheduler: over `kv`'s block manager.
+        executor: runs a step's forward (`executor.Executor`).
+        kv: the KV owner of the target model's cache.
+        outputs: text, events and outputs of the requests.
+        proposer, num_speculative_tokens: speculative decoding (`spec_decode.make_proposer`), or None.
+        eos_token_ids, max_model_len, vocab_size: the model's.
+        fingerprint: reads the model's weights fingerprint (`hf.weights_fingerprint`), checked before
+            admitting so that the prefix cache never serves K/V of other weights.
+    """
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, kv: KVOwner, outputs: OutputProcessor, *,
+                 proposer, num_speculative_tokens: int, eos_token_ids: list[int], max_model_len: int,
+                 vocab_size: int, fingerprint: Callable[[], object]):
+        self.scheduler = scheduler
+        self.executor = executor
+        self.kv = kv
+        self.outputs = outputs
+        self.sampler = Sampler()
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.fingerprint = fingerprint
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, TrackedRequest] = {}  # live requests (and samples), registered before queued
+        self.groups: dict[str, RequestGroup] = {}  # live requests by the id the caller knows
+        self.finished_groups: dict[str, RequestGroup] = {}  # retain_kv requests until `kept_kv` collects
+        self.registry_lock = threading.Lock()  # the two dicts above: submitters never wait for a step
+        self._ids = itertools.count()
+        # Requests the step in progress advanced (by the id the caller knows), their outputs built once
+        # at its end: a request of n samples costs one output per step, not one per sample.
+        self._updates: dict[str, TrackedRequest] = {}
+        self._consecutive_failed_steps = 0
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[TrackedRequest]:
+        """Run one step; returns the requests that produced a token or finished in it (with those of a
+        failed step before it). Raises what undid the step: its requests retry or end with an error."""
+        sched = self._schedule()
+        if sched is None:
+            return self._take_updates()
+        try:
+            logits = self.executor.execute(self._executor_step(sched))
+        except Exception as exc:
+            self._requeue([e.request for e in sched.scheduled], exc, "forward")
+            raise
+        self._note_forward(sched)
+        self._update(sched, logits, self._sample(sched, logits))
+        return self._take_updates()
+
+    def _take_updates(self) -> list[TrackedRequest]:
+        updates, self._updates = self._updates, {}
+        return list(updates.values())
+
+    def _schedule(self) -> SchedulerOutput | None:
+        """The step's plan (drafts proposed first); None when nothing runs. Raises what undid it."""
+        try:
+            began = time.perf_counter()
+            # Prefix-cache lookups happen only when admitting, and nothing is admitted while every slot
+            # runs (the fingerprint reads a checksum from the device: no step pays for it in vain).
+            if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
+                self.note_weights()
+            if self.proposer is not None:
+                self._propose()
+            sched = self.scheduler.schedule()
+            self.metrics.schedule_seconds += time.perf_counter() - began
+            self.metrics.peak_kv_blocks = max(self.metrics.peak_kv_blocks, self.kv.num_used_blocks)
+            self.metrics.peak_num_running = max(self.metrics.peak_num_running, len(self.scheduler.running))
+            for request in sched.preempted:
+                self._note_preempted(self.requests[request.request_id])
+            if sched.is_empty and self.scheduler.has_unfinished and (self.kv.evict_kept()
+                                                                     or self.scheduler.release_waiting()):
+                # Returned caches, or waiting requests' handed-over prefixes, held the blocks the queue
+                # needs: they are recomputed instead (mostly from the prefix cache).
+                sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_unfinished:
+                    raise RuntimeError(
+                        "the scheduler could not schedule anything although requests are waiting "
+                        f"(free blocks {self.kv.num_free_blocks}/{self.kv.num_blocks})"
+                    )
+                return None
+            self._note_admissions(sched, time.perf_counter())
+            return sched
+        except Exception as exc:  # scheduling or the bookkeeping around it
+            self._on_failed_schedule(exc)
+            raise
+
+    def _num_logits(self, entry: ScheduledRequest) -> int:
+        """Logits rows the entry needs: every position while its request wants prompt logprobs and the
+        chunk holds prompt tokens, else its last 1 + drafts positions when it samples, else none."""
+        if self.requests[entry.request.request_id].params.prompt_logprobs is not None and (
+                entry.start < entry.request.num_prompt_tokens - 1):
+            return len(entry.token_ids)
+        return (1 + len(entry.draft_token_ids)) if entry.samples else 0
+
+    def _executor_step(self, sched: SchedulerOutput) -> ExecutorStep:
+        chunks = [Chunk(e.request.seq, e.start, e.token_ids, e.group_slots, self._num_logits(e)) for e in sched.scheduled]
+        self._forward_began = time.perf_counter()
+        return ExecutorStep(chunks, sched.copies, sched.new_full_blocks)
+
+    def _note_forward(self, sched: SchedulerOutput) -> None:
+        self._consecutive_failed_steps = 0
+        m = self.metrics
+        m.forward_seconds += time.perf_counter() - self._forward_began
+        m.metadata_seconds += self.executor.last_times.metadata_seconds
+        m.model_seconds += self.executor.last_times.model_seconds
+        m.num_steps += 1
+        num_tokens = sum(len(e.token_ids) for e in sched.scheduled)
+        m.iteration_tokens.append(num_tokens)
+        m.num_forward_tokens += num_tokens
+
+    # ------------------------------------------------------------------ sample
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> "_StepSamples":
+        """Every sampling row of the step (each request's next position, each verified draft position,
+        each of a request's n first samples) through one sampler call; None as the result if that
+        call raises (each request is then sampled alone in `_update`)."""
+        plans, rows, index, row = [], [], [], 0
+        for entry in sched.scheduled:
+            n = self._num_logits(entry)
+            if not n:
+                continue
+            tracked = self.requests[entry.request.request_id]
+            first_sample = row + n - 1 - len(entry.draft_token_ids)
+            num_rows = 0
+            if entry.samples:
+                group = tracked.group
+                states = [tracked.state] + ([self._fork_state(tracked, j) for j in range(1, group.n)]
+                                            if not group.forked else [])
+                drafts = entry.draft_token_ids
+                for j in range(len(drafts) + 1):
+                    for state in states:
+                        rows.append(SampleRow(state, tuple(drafts[:j])))
+                        index.append(first_sample + j)
+                        num_rows += 1
+            plans.append((tracked, entry, row, n, len(rows) - num_rows, num_rows))
+            row += n
+        result = None
+        began = time.perf_counter()
+        try:
+            if rows:
+                # Every row at once, NaN rows included: the sampler flags them (their tokens are dropped
+                # below) and reads the flags back with the tokens, the step's one wait for the device.
+                result = self.sampler(self.sampler.take_rows(logits, index), rows, check_nan=True)
+        except Exception:
+            logger.warning("hf_paged: batched sampling failed; sampling each request alone", exc_info=True)
+            self.metrics.num_failed_steps += 1
+            result = None
+        self.metrics.sampler_seconds += time.perf_counter() - began
+        return _StepSamples(plans, rows, index, result, _nan_rows(logits, index, result) if plans else [])
+
+    # ------------------------------------------------------------------ update
+    def _update(self, sched: SchedulerOutput, logits: torch.Tensor, samples: "_StepSamples") -> None:
+        """Commit each request's tokens, one at a time: a request that fails here is rolled back alone."""
+        now = time.perf_counter()
+        for tracked, entry, start, n, first_row, num_rows in samples.plans:
+            try:
+                if any(samples.has_nan[start:start + n]):
+                    raise RequestError(f"the model produced NaN logits for request {tracked.public_id!r}")
+                if tracked.params.prompt_logprobs is not None:
+                    self._note_prompt_logprobs(tracked, entry, logits[start:start + n])
+                if not entry.samples:
+                    continue
+                if samples.result is not None:
+                    out = samples.result.slice(first_row, num_rows)
+                else:
+                    sub = samples.rows[first_row:first_row + num_rows]
+                    out = self.sampler(logits[samples.index[first_row:first_row + num_rows]], sub)
+                self._commit_sample(tracked, entry, out, now)
+            except Exception as exc:
+                self._roll_back(tracked, entry, exc)
+
+    def _commit_sample(self, tracked: TrackedRequest, entry: ScheduledRequest, out: SamplerOutput, now: float) -> None:
+        """Commit what the sampler drew for one entry: one token, or verified drafts plus one, or the
+        first token of each of a request's n samples (which fork here)."""
+        drafts = entry.draft_token_ids
+        group = tracked.group
+        if not group.forked:
+            group.forked = True
+            for j in range(1, group.n):  # each sample's own row j: its seed, the shared prompt logits
+                self._fork_sample(tracked, j, out.slice(j, 1), now)
+            out = out.slice(0, 1)
+        if drafts:
+            committed = verify_greedy(out.token_ids, drafts)
+            self.metrics.on_verification(len(drafts), len(committed) - 1)
+        else:
+            committed = out.token_ids
+        self._commit_tokens(tracked, committed, len(drafts), now, out)
+
+    def _commit_tokens(self, tracked: TrackedRequest, tokens: list[int], num_drafts: int, now: float,
+                       out: SamplerOutput) -> None:
+        """Append `tokens` (cut at the first that ends the request), then roll the cache back past
+        the rejected drafts. Everything that may raise (text, stop strings) runs before any change.
+        `out` row j holds what the sampler returned with token j (logprobs, scores, logits)."""
+        request, params = tracked.request, tracked.params
+        num_out = request.num_output_tokens
+        kept, reason = [], None
+        for token in tokens:
+            kept.append(token)
+            reason = self._end_reason(params, num_out + len(kept), len(request.token_ids) + len(kept), token)
+            if reason is not None:
+                break
+        kept, reason, deltas = self.outputs.cut(tracked, kept, reason)
+        # Committed from here on: nothing below raises for a well-formed request.
+        for _ in kept:
+            tracked.metrics.on_token(now)
+        request.token_ids.extend(kept)
+        self.metrics.generation_tokens += len(kept)
+        events = self.outputs.record(tracked, kept, deltas, out, finished=reason is not None)
+        if reason is not None:
+            self.finish(tracked, reason, last_event=events[-1])
+            return
+        rejected = num_drafts - (len(tokens) - 1)
+        self.scheduler.rollback(request, rejected)
+        self._updates[tracked.public_id] = tracked
+
+    def _end_reason(self, params: SamplingParams, num_out: int, total: int, token: int) -> str | None:
+        if num_out >= params.min_new_tokens and (
+            token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        ):
+            return "stop"
+        if num_out >= params.max_new_tokens or total >= self.max_model_len:
+            return "length"
+        return None
+
+    # ------------------------------------------------------------------ requests
+    def new_request_id(self) -> str:
+        """A fresh id, unused by any live request (call under `registry_lock`)."""
+        request_id = f"req-{next(self._ids)}"
+        while request_id in self.requests or request_id in self.groups:
+            request_id = f"req-{next(self._ids)}"
+        return request_id
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.groups
+
+    def register(self, tracked: TrackedRequest) -> None:
+        """Make a request known before it is queued (call under `registry_lock`): a step never meets
+        an unknown id."""
+        self.requests[tracked.request.request_id] = tracked
+        self.groups[tracked.public_id] = tracked.group
+
+    def new_state(self, params: SamplingParams, seed: int, request: Request) -> SamplingState:
+        end_ids = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
+        return SamplingState(params, seed, request.token_ids, request.num_prompt_tokens, end_ids, self.eos_token_ids)
+
+    def add(self, tracked: TrackedRequest) -> None:
+        """Queue a registered request (taking over its kept `kv_prefix` if that is still held)."""
+        prefix, tracked.kv_prefix = tracked.kv_prefix, None
+        if prefix is not None and self.kv.take(prefix):
+            tracked.request.seq = prefix  # admission starts after its tokens (`Scheduler.schedule`)
+        self.scheduler.add(tracked.request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End every sample of a request (not reported by `step`); its output so far, or None."""
+        group = self.groups.get(request_id)
+        if group is None:
+            return None
+        for member in list(group.members):
+            if member is not None:
+                self.finish(member, "abort", report=False)  # the caller gets it, not step()
+        return self.outputs.output(group.members[0])
+
+    def end_all(self, reason: str, error: Exception | None = None) -> None:
+        """End every live request ("abort", or "error" with `error`); one failing never keeps the
+        others waiting."""
+        for tracked in list(self.requests.values()):
+            try:
+                if error is not None:
+                    self.fail(tracked, error)
+                else:
+                    self.finish(tracked, reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("hf_paged: ending request %r failed", tracked.public_id)
+
+    def fail(self, tracked: TrackedRequest, exc: Exception) -> None:
+        tracked.error = exc
+        self.finish(tracked, "error")
+
+    def finish(self, tracked: TrackedRequest, reason: str, last_event: StreamEvent | None = None,
+               report: bool = True) -> None:
+        """End a request exactly once: free its blocks, settle its text, tell its owner (and, with
+        `report`, the caller of `step()`)."""
+        if tracked.finish_reason is not None:
+            return
+        tail = self.outputs.settle_text(tracked)  # may fail on its own; it then falls back, never raises
+        kept = self.scheduler.finish(tracked.request, keep_kv=tracked.group.retain_kv and reason != "error")
+        if kept is not None and self.kv.keep(kept, len(tracked.request.token_ids) - 1):
+            # The K/V of every token fed to the model: all but the last sampled one.
+            tracked.group.kept[tracked.sample_index] = kept
+        if self.proposer is not None:
+            self.proposer.free(tracked.request.request_id)
+        tracked.finish_reason = reason
+        tracked.metrics.finished_time = time.perf_counter()
+        self.metrics.on_finished(tracked.metrics, reason)
+        with self.registry_lock:
+            del self.requests[tracked.request.request_id]
+        group = tracked.group
+        if not group.forked:  # it ended before its other samples existed: they end with it
+            group.forked = True
+            group.unforked_reason = reason
+        output = self.outputs.output(tracked) if group.finished else None  # built once, by the last sample
+        if group.finished:
+            with self.registry_lock:
+                self.groups.pop(group.request_id, None)
+            if group.retain_kv:
+                self.finished_groups[group.request_id] = group  # until `kept_kv` collects its sequences
+        if report:
+            self._updates[tracked.public_id] = tracked
+        self.outputs.finish(tracked, reason, last_event, tail, output)
+
+    def collect_kept(self, request_id: str) -> list[KVSequence | None]:
+        group = self.finished_groups.pop(request_id, None)
+        return list(group.kept) if group is not None else []
+
+    def drop_finished_groups(self) -> list[KVSequence | None]:
+        """The kept sequences no caller collected (their groups forgotten)."""
+        groups, self.finished_groups = list(self.finished_groups.values()), {}
+        return [seq for group in groups for seq in group.kept]
+
+    def note_weights(self) -> None:
+        """Check the weights before admitting: if they changed, the prefix cache is dropped and a new
+        epoch begins; waiting requests that store nothing yet are salted with it (so they share the
+        blocks they compute under the new weights with each other, and nothing older)."""
+        self.kv.note_weights(self.fingerprint())
+        salt = self.kv.sequence_salt()
+        for request in self.scheduler.waiting:
+            if request.seq.num_tokens == 0:
+                request.seq.extra_key = salt
+
+    def update_gauges(self) -> None:
+        m = self.metrics
+        m.num_requests_running = len(self.scheduler.running)
+        m.num_requests_waiting = len(self.scheduler.waiting)
+        m.kv_cache_usage_perc = self.kv.num_used_blocks / max(self.kv.num_blocks, 1)
+
+    # ------------------------------------------------------------------ failures
+    def _roll_back(self, tracked: TrackedRequest, entry: ScheduledRequest, exc: Exception) -> None:
+        """Undo one request's share of a step whose forward succeeded: forget the tokens it computed
+        in this step (its K/V stay valid for whoever shares them), rebuild its text state, and retry
+        it, unless the failure is its own for good."""
+        self.metrics.num_failed_steps += 1
+        request = tracked.request
+        if request.status == RequestStatus.RUNNING:
+            self.scheduler.rollback(request, request.num_computed_tokens - entry.start)
+        tracked.num_failures += 1
+        fatal = isinstance(exc, RequestError) or tracked.num_failures >= MAX_STEP_FAILURES
+        if not fatal:
+            try:
+                self.outputs.replay(tracked)
+            except Exception as replay_exc:  # its text state cannot be rebuilt: it cannot go on
+                exc, fatal = replay_exc, True
+        if fatal:
+            self.fail(tracked, exc)
+        else:
+            logger.warning("hf_paged: request %r failed after the forward (%r); retrying it",
+                           request.request_id, exc)
+
+    def _requeue(self, requests: list[Request], exc: Exception, stage: str) -> None:
+        """The step raised before its K/V were complete: its requests go back to waiting (nothing of the
+        step was published in the prefix cache) and are recomputed later."""
+        self.kv.abort()
+        self.metrics.num_failed_steps += 1
+        logger.warning("hf_paged: a step failed in %s (%r); requeueing its %d requests", stage, exc, len(requests))
+        for request in requests:
+            tracked = self.requests.get(request.request_id)
+            if tracked is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.scheduler.preempt(request)
+                self._note_preempted(tracked)
+            tracked.num_failures += 1
+            if tracked.num_failures >= MAX_STEP_FAILURES:
+                self.fail(tracked, exc)
+
+    def _on_failed_schedule(self, exc: Exception) -> None:
+        """Scheduling (or the engine's own bookkeeping around it) raised: undo whatever it began."""
+        self._consecutive_failed_steps += 1
+        self._requeue(self.scheduler.recover(), exc, "scheduling")
+        if self._consecutive_failed_steps >= MAX_STEP_FAILURES:  # nothing must hang silently
+            logger.error("hf_paged: %d steps in a row failed; ending every unfinished request", MAX_STEP_FAILURES)
+            for tracked in list(self.requests.values()):
+                self.fail(tracked, exc)
+            self._consecutive_failed_steps = 0
+
+    def _note_preempted(self, tracked: TrackedRequest) -> None:
+        tracked.metrics.num_preemptions += 1
+        self.metrics.num_preemptions += 1
+        if self.proposer is not None:
+            self.proposer.free(tracked.request.request_id)
+
+    # ------------------------------------------------------------------ speculative decoding
+    def _num_drafts_for(self, tracked: TrackedRequest) -> int:
+        request, params = tracked.request, tracked.params
+        k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        # Never draft past what the request may still generate (the last token comes from the target).
+        room = min(params.max_new_tokens - request.num_output_tokens, self.max_model_len - len(request.token_ids))
+        return max(0, min(k, room - 1))
+
+    def _propose(self) -> None:
+        """Ask the proposer for drafts. If it raises, this step runs without any, and every request's
+        draft state is dropped (the proposer starts afresh from the committed tokens)."""
+        asks = []
+        for request in self.scheduler.running:
+            if request.num_pending_tokens != 1:
+                continue  # still in prefill
+            tracked = self.requests[request.request_id]
+            if not tracked.group.forked:
+                continue  # its first token is drawn once per sample from one row: no drafts
+            k = self._num_drafts_for(tracked)
+            if k > 0:
+                asks.append(ProposalRequest(request.request_id, request.token_ids, k, tracked.state))
+        if not asks:
+            return
+        try:
+            proposals = self.proposer.propose(asks)
+        except Exception:
+            logger.warning("hf_paged: the draft proposer failed; this step runs without drafts", exc_info=True)
+            self.metrics.num_failed_steps += 1
+            for request in self.scheduler.running:
+                self.proposer.free(request.request_id)
+            return
+        for ask, proposal in zip(asks, proposals):
+            drafts = proposal.token_ids[: ask.num_tokens]
+            valid = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), len(drafts))
+            self.requests[ask.request_id].request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _note_admissions(self, sched: SchedulerOutput, now: float) -> None:
+        self.metrics.prefix_cache_queries += sched.num_prefix_query_tokens
+        self.metrics.prefix_cache_hits += sched.num_prefix_hit_tokens
+        for entry in sched.scheduled:
+            tracked = self.requests[entry.request.request_id]
+            request = entry.request
+            if tracked.metrics.first_scheduled_time is None:
+                tracked.metrics.first_scheduled_time = now
+            tracked.metrics.num_cached_tokens = request.num_cached_tokens
+            # Prompt tokens actually computed (outputs recomputed after a preemption count as prompt work).
+            computed_prompt = max(0, min(entry.start + len(entry.token_ids), request.num_prompt_tokens) - entry.start)
+            self.metrics.prompt_tokens += computed_prompt
+
+    # ------------------------------------------------------------------ n samples
+    def _fork_state(self, tracked: TrackedRequest, j: int) -> SamplingState:
+        """Sample j's state for its first draw, before it exists as a request (the prompt so far)."""
+        return self.new_state(tracked.params, sample_seed(tracked.state.seed, j), tracked.request)
+
+    def _fork_sample(self, parent: TrackedRequest, j: int, out: SamplerOutput, now: float) -> None:
+        """Create sample j of `parent`'s request from its just computed prompt (sharing every block) and
+        commit the first token drawn for it. If that commit fails, the sample alone is retried (it
+        waits, to be recomputed) or ends with an error."""
+        prompt = parent.request.token_ids[: parent.request.num_prompt_tokens]
+        with self.registry_lock:
+            request_id = f"{parent.public_id}#{j}"
+            while request_id in self.requests or request_id in self.groups:
+                request_id += "'"
+            request = Request(request_id=request_id, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+                              max_total_tokens=parent.request.max_total_tokens,
+                              seq=self.kv.fork_sequence(parent.request.seq))
+            metrics = RequestMetrics(arrival_time=parent.metrics.arrival_time, num_prompt_tokens=len(prompt))
+            metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            seed = sample_seed(parent.state.seed, j)
+            child = TrackedRequest(request, parent.params, metrics, self.outputs.fork_detokenizer(parent, prompt),
+                                   parent.inbox, parent.index, self.new_state(parent.params, seed, request),
+                                   parent.group, j)
+            self.requests[request_id] = child
+        self.scheduler.add_forked(request)
+        if request.status != RequestStatus.RUNNING:
+            return  # no room to run it now: it recomputes its prompt (from the prefix cache) and draws again
+        try:
+            self._commit_tokens(child, out.token_ids, 0, now, out)
+        except Exception as exc:
+            self.metrics.num_failed_steps += 1
+            child.num_failures += 1
+            if child.finish_reason is None:
+                self.scheduler.preempt(request)
+                self._note_preempted(child)
+                if child.num_failures >= MAX_STEP_FAILURES:
+                    self.fail(child, exc)
+
+    def _note_prompt_logprobs(self, tracked: TrackedRequest, entry: ScheduledRequest, rows: torch.Tensor) -> None:
+        """Prompt logprobs from a chunk's logits rows (one per position): position p predicts token p + 1."""
+        request = tracked.request
+        targets = [(j, entry.start + j + 1) for j in range(len(entry.token_ids))
+                   if entry.start + j + 1 < request.num_prompt_tokens]
+        if not targets:
+            return
+        found = logprobs_of(rows[[j for j, _ in targets]], [request.token_ids[t] for _, t in targets],
+                            tracked.params.prompt_logprobs)
+        for (_, t), entry_lp in zip(targets, found):
+            tracked.group.prompt_logprobs[t] = entry_lp
+
+
+class _StepSamples:
+    """What `_sample` drew for the step, and how its rows map back to the requests."""
+
+    def __init__(self, plans: list, rows: list[SampleRow], index: list[int], result: SamplerOutput | None,
+                 has_nan: list[bool]):
+        self.plans, self.rows, self.index, self.result, self.has_nan = plans, rows, index, result, has_nan
+
+
+def _nan_rows(logits: torch.Tensor, index: list[int], result: SamplerOutput | None) -> list[bool]:
+    """Per logits row, whether it holds a NaN: from the sampler's flags where it sampled the row; the
+    rows it did not sample (prompt logprobs) or every row, if it failed, cost one more read."""
+    has_nan = [False] * logits.shape[0]
+    if result is not None:
+        for k, row in enumerate(index):
+            has_nan[row] = result.is_nan[k]
+    unread = sorted(set(range(logits.shape[0])) - set(index)) if result is not None else range(logits.shape[0])
+    if unread:
+        for row, flag in zip(unread, torch.isnan(logits[list(unread)].amax(dim=-1)).tolist()):  # max propagates NaN
+            has_nan[row] = flag
+    return has_nan

@@ -1,0 +1,101 @@
+"""Request intake: a caller's prompt and `SamplingParams` become a registered `TrackedRequest`, or a
+ValueError / TypeError that names what is wrong (nothing is queued then).
+
+Runs on the caller's thread; it takes only the tokenizer's lock and the core's registry lock, never
+the engine's step lock, so a submitter never waits for a running step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence as SequenceABC
+
+from ..core import KVSequence, Request
+from ..hf import KVOwner
+from ..sampling_params import SamplingParams
+from ..worker.sampling import draw_seed
+from .core import EngineCore
+from .delivery import Inbox
+from .inputs import prompt_token_ids
+from .metrics import RequestMetrics
+from .output_processor import OutputProcessor
+from .tracked import RequestGroup, TrackedRequest
+
+
+class Intake:
+    """Checks and registers the engine's new requests (see `Engine.add_owned_request`)."""
+
+    def __init__(self, core: EngineCore, kv: KVOwner, outputs: OutputProcessor, tokenizer,
+                 tokenizer_lock: threading.Lock, vocab_size: int):
+        self.core = core
+        self.kv = kv
+        self.outputs = outputs
+        self.tokenizer = tokenizer
+        self.tokenizer_lock = tokenizer_lock
+        self.vocab_size = vocab_size
+
+    def track(self, prompt, sampling_params: SamplingParams | None, request_id: str | None, inbox: Inbox | None,
+              index: int, streamed: bool, kv_prefix: KVSequence | None, retain_kv: bool,
+              resume_tokens: SequenceABC[int]) -> TrackedRequest:
+        """A registered request, ready to be queued; see `Engine.add_owned_request` for the arguments."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.validate(self.vocab_size)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
+        if isinstance(prompt, str):
+            with self.tokenizer_lock:
+                prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        else:
+            prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+        resume = [int(t) for t in resume_tokens]
+        if resume:
+            if params.n != 1:
+                raise ValueError("resume_tokens needs a request with n=1")
+            if len(resume) >= params.max_new_tokens:
+                raise ValueError(f"{len(resume)} resume_tokens leave nothing to generate within "
+                                 f"max_new_tokens={params.max_new_tokens}")
+            prompt_token_ids(resume, None, self.vocab_size)  # ids inside the vocabulary
+        if len(prompt_ids) + len(resume) >= self.core.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room to generate within the model's "
+                f"max_model_len={self.core.max_model_len}"
+            )
+        known = list(prompt_ids) + resume  # what the request's sequence will hold
+        if kv_prefix is not None and (not isinstance(kv_prefix, KVSequence) or kv_prefix.num_tokens >= len(known)
+                                      or kv_prefix.token_ids != known[: kv_prefix.num_tokens]):
+            raise ValueError("kv_prefix must be a KVSequence holding a proper prefix of the prompt's tokens")
+        max_total = min(len(prompt_ids) + params.max_new_tokens, self.core.max_model_len)
+        scheduler = self.core.scheduler
+        if not scheduler.can_ever_fit(max_total):
+            raise ValueError(
+                f"request may grow to {max_total} tokens, which needs {scheduler.max_blocks_for(max_total)} "
+                f"KV blocks of {self.kv.block_size}, but the pool has only {self.kv.num_blocks}; "
+                "shorten the prompt or max_new_tokens, or enlarge the pool"
+            )
+        detok = self.outputs.new_detokenizer(prompt_ids, params, streamed)
+        if detok is not None:
+            # Their text comes out with this engine's first event, so that the streamed deltas join
+            # to the whole output's text (the other engine's own text may have held back a partial
+            # character or a stop-string prefix).
+            resume_text = "".join(detok.add(token) for token in resume)
+        core = self.core
+        with core.registry_lock:  # ids are unique among live requests, whichever thread adds them
+            if request_id is None:
+                request_id = core.new_request_id()
+            elif core.is_live(request_id):
+                raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+            request = Request(request_id=request_id, token_ids=known, num_prompt_tokens=len(prompt_ids),
+                              max_total_tokens=max_total, seq=self.kv.new_sequence(),
+                              use_prefix_cache=params.prompt_logprobs is None)  # its prompt's logits are needed
+            metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
+            seed = draw_seed(params.seed)
+            tracked = TrackedRequest(request, params, metrics, detok, inbox, index,
+                                     core.new_state(params, seed, request), RequestGroup(request_id, params.n, retain_kv))
+            tracked.kv_prefix = kv_prefix
+            if resume and detok is not None:
+                tracked.pending_text = resume_text
+            core.register(tracked)
+        return tracked
