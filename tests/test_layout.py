@@ -293,3 +293,23 @@ def test_every_internal_import_resolves():
     bad = [f"{path.relative_to(PACKAGE.parent)}:{line} imports hf_paged.{target}"
            for _, path, target, _, line in _all_edges() if target and target not in modules]
     assert not bad, "\n".join(bad)
+
+
+MAX_FILE_LINES = 700
+MAX_CLASS_LINES = 500
+
+
+def test_no_file_or_class_outgrows_its_room():
+    """A file over 700 lines or a class over 500 holds more than one job: split it by responsibility
+    (the engine's front, core, output processing and KV owner are the model)."""
+    bad = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        num_lines = source.count("\n") + 1
+        if num_lines > MAX_FILE_LINES:
+            bad.append(f"{path.relative_to(PACKAGE.parent)}: {num_lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} class {node.name}: "
+                           f"{node.end_lineno - node.lineno + 1} lines")
+    assert not bad, "\n".join(bad)

@@ -1,15 +1,20 @@
 """The serving engine: continuous batching over a transformers model with a paged KV cache.
 
-* `engine.py`: `Engine`, the step loop (schedule, forward, sample, commit), streaming, abort, and the
-  thread-safe front (`start` / `submit` / `stop`). `async_engine.py`: `AsyncEngine` for asyncio.
-* `delivery.py`: each owner's inbox of outputs, and `RequestHandle`. `detokenizer.py`: incremental
-  text and stop strings.
-* `inputs.py`: prompts and sampling parameters, checked before anything is queued.
-* `kv_budget.py`: the default KV pool size. `outputs.py`: `RequestOutput`, `StreamEvent` and text.
+* `engine.py`: `Engine`, the public front: intake, commands from other threads, the background
+  loop, shutdown, the kept-KV API and metrics; `blocking.py`: its `generate` / `stream`;
+  `async_engine.py`: `AsyncEngine` for asyncio.
+* `core.py`: `EngineCore`, one step (schedule -> execute -> sample -> update) and the live requests;
+  it knows no text. `executor.py`: the executor seam (`InProcessExecutor` today).
+* `output_processor.py`: text, stop strings, streaming events and `RequestOutput`s;
+  `detokenizer.py`: incremental text and linear-time stop-string matching.
+* `intake.py`: a caller's request checked and registered; `inputs.py`: prompts and sampling
+  parameters, checked before anything is queued. `tracked.py`: the engine's record of a request.
+* `delivery.py`: each owner's inbox of outputs, and `RequestHandle`.
+* `kv_budget.py`: the default KV pool size. `outputs.py`: `RequestOutput`, `StreamEvent`.
 * `metrics.py`: per-request and engine-wide metrics with vLLM's names.
 
-Drives `core` (scheduler), `worker` (forward, sampling) and `spec_decode` (drafts); the
-transformers-facing glue that calls it lives in `integrations`.
+Drives `core` (scheduler), `hf` (the KV owner), `worker` (forward, sampling) and `spec_decode`
+(drafts); the transformers-facing glue that calls it lives in `integrations`.
 """
 
 from .async_engine import AsyncEngine, AsyncRequest

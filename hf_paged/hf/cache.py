@@ -384,7 +384,7 @@ class PagedCache(Cache):
         seqs = self.seqs or [self._new_sequence() for _ in range(batch_size)]
         real_cols = real_columns(attention_mask, self._num_columns, [seq.num_tokens > 0 for seq in seqs], q_len)
         new_tokens = real_tokens(input_ids, real_cols)
-        self._ensure_free_blocks(seqs, new_tokens, dtype)
+        self.ensure_free_blocks(seqs, new_tokens, dtype)
 
         # Validated and sized: from here on nothing can fail, so the cache state changes.
         self.seqs = seqs
@@ -438,7 +438,7 @@ class PagedCache(Cache):
         self._step = None
         note_paged_step(None)
 
-    def new_sequence(self) -> KVSequence:
+    def new_sequence(self, for_paged_steps: bool = True) -> KVSequence:
         """A fresh `KVSequence` salted for this cache (its `cache_salt` and current weights epoch), for
         a caller that plans its own steps (`begin_step`'s packed PAGED steps need paged attention).
 
@@ -446,7 +446,8 @@ class PagedCache(Cache):
             ValueError: the model's attention cannot read the blocks (latent attention); raised here so
                 that the `Engine` rejects a request at admission, before any forward.
         """
-        check_paged_attention_supported(self._model_config)
+        if for_paged_steps:
+            check_paged_attention_supported(self._model_config)
         return self._new_sequence()
 
     def fork_sequence(self, seq: KVSequence) -> KVSequence:
@@ -454,86 +455,10 @@ class PagedCache(Cache):
         of n continuing a prompt computed once."""
         return self.manager.fork(seq, self._next_id())
 
-    # ------------------------------------------------------------------ moving K/V between caches
-    def check_transferable(self) -> None:
-        """Raise ValueError unless this cache's K/V can be exported and imported token by token (one
-        KV group, no quantisation scales, every layer's tensors allocated): what disaggregated
-        serving moves between engines."""
-        if len(self.layout.groups) != 1:
-            raise ValueError("moving K/V between engines needs one KV group: build the engines with "
-                             "enable_hybrid_kv=False for this sliding-window model")
-        if self.cache_config.kv_dtype.is_quantized:
-            raise ValueError(f"moving K/V between engines does not carry quantisation scales "
-                             f"(kv_cache_dtype={self.cache_config.kv_cache_dtype!r}); use an unquantised cache")
-        if len(self._slot_owners()) != self.layout.num_slots:
-            raise ValueError("moving K/V needs every layer's tensors: run one forward (a warm-up) first")
-
     def kv_numel_per_token(self) -> int:
-        """Elements of one token's K and V over every storage slot: `export_tokens`' buffer holds this
-        many per token."""
-        return sum(layer.keys[0, 0].numel() + layer.values[0, 0].numel() for layer in self._owners_by_slot())
-
-    def export_tokens(self, seq: KVSequence, num_tokens: int) -> torch.Tensor:  # [num_tokens * kv_numel_per_token]
-        """The K/V of `seq`'s first `num_tokens` tokens as one contiguous flat buffer in the pool's
-        dtype: per storage slot in slot order, its K ([num_tokens, num_kv_heads, head_dim]) then its V.
-        A copy: the blocks may be freed as soon as this returns."""
-        self.check_transferable()
-        if not 0 < num_tokens <= seq.num_tokens:
-            raise ValueError(f"cannot export {num_tokens} tokens of a sequence holding {seq.num_tokens}")
-        index = self._token_slots(seq.block_tables[0], num_tokens)
-        parts = []
-        for layer in self._owners_by_slot():
-            for tensor in (layer.keys, layer.values):
-                parts.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, index.to(tensor.device)).reshape(-1))
-        return torch.cat(parts)
-
-    def import_tokens(self, token_ids: list[int], kv: torch.Tensor) -> KVSequence:
-        """A new sequence holding `token_ids` whose K/V are `kv` (an `export_tokens` buffer of another
-        cache serving the same model). Blocks this cache already holds for a prefix of the tokens
-        (prefix cache) are shared instead of written; the full blocks written are published in the
-        prefix cache only after their K/V are in place.
-
-        Raises:
-            ValueError: `kv` does not hold exactly `len(token_ids)` tokens of this cache's layout, or
-                the cache cannot move K/V (`check_transferable`).
-            NoFreeBlocksError: a fixed pool has no room (nothing is changed).
-        """
-        self.check_transferable()
-        per_token = self.kv_numel_per_token()
-        if kv.dim() != 1 or kv.numel() != len(token_ids) * per_token:
-            raise ValueError(f"a K/V buffer of {tuple(kv.shape)} does not hold {len(token_ids)} tokens of "
-                             f"{per_token} elements")
-        seq = self._new_sequence()
-        owners = self._owners_by_slot()
-        self._ensure_free_blocks([seq], [token_ids], owners[0].keys.dtype)
-        result = self.manager.append_tokens(seq, token_ids, register=False)
-        slots = torch.tensor(result.group_slots[0], dtype=torch.long)
-        written = slots >= 0  # -1: a block taken from the prefix cache, already holding these K/V
-        try:
-            offset, n = 0, len(token_ids)
-            for layer in owners:
-                for tensor in (layer.keys, layer.values):
-                    row = tensor[0, 0].numel()
-                    part = kv[offset: offset + n * row].view(n, *tensor.shape[2:])
-                    offset += n * row
-                    flat = tensor.view(-1, *tensor.shape[2:])
-                    with torch.inference_mode(tensor.is_inference()):
-                        flat[slots[written].to(tensor.device)] = part[written.to(part.device)].to(tensor.device,
-                                                                                               tensor.dtype)
-        except BaseException:
-            self.manager.free(seq)
-            raise
-        self.manager.commit_full_blocks(result.new_full_blocks)
-        return seq
-
-    def _owners_by_slot(self) -> list["PagedLayer"]:
-        return sorted(self._slot_owners(), key=lambda layer: layer.slot)
-
-    def _token_slots(self, table: list[int], num_tokens: int) -> torch.Tensor:  # [num_tokens] long
-        bs = self.block_size
-        blocks = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(num_tokens)
-        return blocks[positions // bs] * bs + positions % bs
+        """Elements of one token's K and V over every storage slot: a K/V transfer buffer
+        (`KVOwner.export`) holds this many per token."""
+        return sum(layer.keys[0, 0].numel() + layer.values[0, 0].numel() for layer in self.slot_owners())
 
     def group_fields(self, group_slots: list[list[list[int]]], seqs: list[KVSequence]) -> dict:
         """The metadata builders' per-group arguments for sequences `seqs` whose appends returned
@@ -558,7 +483,7 @@ class PagedCache(Cache):
     def _step_is_unfinished(self) -> bool:
         return self._step is not None and len(self._step.layers_done) < len(self.layers)
 
-    def _ensure_free_blocks(self, seqs: list[KVSequence], new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+    def ensure_free_blocks(self, seqs: list[KVSequence], new_tokens: list[list[int]], dtype: torch.dtype) -> None:
         """Grow the pool (and every layer's tensors) until this step's new blocks are free."""
         manager = self.manager
         for seq in seqs:  # sliding-window blocks no query reads any more, from every row before any allocates
@@ -582,7 +507,7 @@ class PagedCache(Cache):
         if num_blocks <= self.pool.num_blocks:
             return
         self.pool.grow(num_blocks - self.pool.num_blocks)
-        owners = {layer.slot: layer for layer in self._slot_owners()}
+        owners = {layer.slot: layer for layer in self.slot_owners()}
         for layer in owners.values():
             layer.resize(self.pool.num_blocks)
         for layer in self.layers:  # the other layers of each slot share its owner's new tensors
@@ -592,7 +517,7 @@ class PagedCache(Cache):
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V one block takes across all layers: measured once every layer holds its
         tensors, else from the config's K/V head shapes (`support.kv_head_shapes`)."""
-        owners = self._slot_owners()
+        owners = self.slot_owners()
         if len(owners) == self.layout.num_slots:
             return sum(layer.bytes_per_block() for layer in owners)
         itemsize = torch.empty(0, dtype=dtype or torch.float32).element_size()
@@ -601,19 +526,20 @@ class PagedCache(Cache):
                                              self.cache_config.kv_quant_scheme, itemsize)
         return self.block_size * per_token * self.layout.num_slots
 
-    def _slot_owners(self) -> list["PagedLayer"]:
-        """One initialised layer per storage slot that has tensors (a slot's layers share them)."""
+    def slot_owners(self) -> list["PagedLayer"]:
+        """One initialised layer per storage slot that has tensors (a slot's layers share them), in
+        slot order."""
         owners: dict[int, PagedLayer] = {}
         for layer in self.layers:
             if layer.is_initialized:
                 owners.setdefault(layer.slot, layer)
-        return list(owners.values())
+        return [owners[slot] for slot in sorted(owners)]
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
             return
         indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one asynchronous copy per device
-        for layer in self._slot_owners():  # a block's bytes in every slot, whichever group holds it
+        for layer in self.slot_owners():  # a block's bytes in every slot, whichever group holds it
             if layer.device not in indices:
                 indices[layer.device] = (host_to_device([s for s, _ in copies], torch.long, layer.device),
                                          host_to_device([d for _, d in copies], torch.long, layer.device))

@@ -172,17 +172,66 @@ class KVOwner:
         self._held[fork.seq_id] = fork
         return fork
 
-    def export(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * kv_numel_per_token()]
-        """The K/V of every token of a kept sequence as one contiguous buffer (a copy)."""
+    def export(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * cache.kv_numel_per_token()]
+        """The K/V of every token of a kept sequence as one contiguous flat buffer in the pool's dtype:
+        per storage slot in slot order, its K ([num_tokens, num_kv_heads, head_dim]) then its V. A
+        copy: the blocks may be freed as soon as this returns."""
         if not self.holds(seq):
             raise ValueError("export_kv takes a sequence this engine keeps (kept_kv)")
-        return self.cache.export_tokens(seq, seq.num_tokens)
+        self.check_transferable()
+        index = self._token_slots(seq.block_tables[0], seq.num_tokens)
+        parts = []
+        for layer in self.cache.slot_owners():
+            for tensor in (layer.keys, layer.values):
+                parts.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, index.to(tensor.device)).reshape(-1))
+        return torch.cat(parts)
 
     def import_tokens(self, token_ids: list[int], kv: torch.Tensor) -> KVSequence:
-        """Store another cache's `export` buffer for `token_ids` and keep the new sequence."""
-        seq = self.cache.import_tokens(token_ids, kv)
+        """Keep a new sequence holding `token_ids` whose K/V are `kv` (an `export` buffer of another
+        engine serving the same model). Blocks already held for a prefix of the tokens (prefix cache)
+        are shared instead of written; the full blocks written are published in the prefix cache only
+        after their K/V are in place.
+
+        Raises:
+            ValueError: `kv` does not hold exactly `len(token_ids)` tokens of this cache's layout, or
+                the cache cannot move K/V (`check_transferable`).
+            NoFreeBlocksError: a fixed pool has no room (nothing is changed).
+        """
+        self.check_transferable()
+        cache = self.cache
+        per_token = cache.kv_numel_per_token()
+        if kv.dim() != 1 or kv.numel() != len(token_ids) * per_token:
+            raise ValueError(f"a K/V buffer of {tuple(kv.shape)} does not hold {len(token_ids)} tokens of "
+                             f"{per_token} elements")
+        seq = cache.new_sequence(for_paged_steps=False)
+        owners = cache.slot_owners()
+        cache.ensure_free_blocks([seq], [token_ids], owners[0].keys.dtype)
+        result = cache.manager.append_tokens(seq, token_ids, register=False)
+        slots = torch.tensor(result.group_slots[0], dtype=torch.long)
+        written = slots >= 0  # -1: a block taken from the prefix cache, already holding these K/V
+        try:
+            offset, n = 0, len(token_ids)
+            for layer in owners:
+                for tensor in (layer.keys, layer.values):
+                    row = tensor[0, 0].numel()
+                    part = kv[offset: offset + n * row].view(n, *tensor.shape[2:])
+                    offset += n * row
+                    flat = tensor.view(-1, *tensor.shape[2:])
+                    with torch.inference_mode(tensor.is_inference()):
+                        flat[slots[written].to(tensor.device)] = part[written.to(part.device)].to(tensor.device,
+                                                                                               tensor.dtype)
+        except BaseException:
+            cache.manager.free(seq)
+            raise
+        cache.manager.commit_full_blocks(result.new_full_blocks)
         self._held[seq.seq_id] = seq
         return seq
+
+    def _token_slots(self, table: list[int], num_tokens: int) -> torch.Tensor:  # [num_tokens] long
+        bs = self.block_size
+        blocks = torch.tensor(table, dtype=torch.long)
+        positions = torch.arange(num_tokens)
+        return blocks[positions // bs] * bs + positions % bs
 
     def evict_kept(self) -> bool:
         """Free every kept sequence (their owners recompute on use); returns whether any was held."""
@@ -195,7 +244,18 @@ class KVOwner:
 
     # ------------------------------------------------------------------ K/V transfer facts
     def check_transferable(self) -> None:
-        self.cache.check_transferable()
+        """Raise ValueError unless this cache's K/V can be exported and imported token by token (one
+        KV group, no quantisation scales, every layer's tensors allocated): what disaggregated
+        serving moves between engines."""
+        cache = self.cache
+        if len(cache.layout.groups) != 1:
+            raise ValueError("moving K/V between engines needs one KV group: build the engines with "
+                             "enable_hybrid_kv=False for this sliding-window model")
+        if cache.cache_config.kv_dtype.is_quantized:
+            raise ValueError(f"moving K/V between engines does not carry quantisation scales "
+                             f"(kv_cache_dtype={cache.cache_config.kv_cache_dtype!r}); use an unquantised cache")
+        if len(cache.slot_owners()) != cache.layout.num_slots:
+            raise ValueError("moving K/V needs every layer's tensors: run one forward (a warm-up) first")
 
     def transfer_info(self) -> dict:
         """What a disaggregated peer must agree on before K/V move between two engines."""

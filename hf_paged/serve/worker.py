@@ -90,7 +90,7 @@ def main(spec: WorkerSpec) -> None:
         engine.generate([[0, 1]], SamplingParams(max_new_tokens=1))  # allocates every layer's K/V tensors
         engine.reset_prefix_cache()
         engine.reset_metrics()
-        engine.cache.check_transferable()
+        engine.kv.check_transferable()
         Worker(spec, engine, mailbox).run()
     except Exception as exc:  # noqa: BLE001 - report, then exit: the router re-routes this worker's requests
         traceback.print_exc()
