@@ -124,7 +124,8 @@ class Worker:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        self.mailbox.send(ROUTER, {"op": "ready", "name": self.spec.name, **self.status()})
+        self.mailbox.send(ROUTER, {"op": "ready", "name": self.spec.name, **self.status(),
+                                   "vocab_size": self.engine.vocab_size, "max_model_len": self.engine.max_model_len})
         last_beat = 0.0
         pulse = _StepPulse(self.mailbox, self.spec.heartbeat_interval)
         try:
