@@ -20,9 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..engine import EngineClosedError, RequestOutput, StreamEvent
 from ..engine.async_engine import LIVENESS_POLL_SECONDS
+from ..engine.metrics import EngineMetrics
 from ..engine.outputs import CompletionOutput
 from ..sampling_params import SamplingParams
 from .client import DisaggregatedEngine
+from .supervisor import Routed
 
 
 class AsyncDisaggregatedEngine:
@@ -45,7 +47,8 @@ class AsyncDisaggregatedEngine:
         self._lock = threading.Lock()
         self._running = 0
         self._counts = {"prompt_tokens": 0, "generation_tokens": 0, "request_success": 0}
-        self._latencies: dict[str, list[float]] = {"ttft": [], "itl": [], "e2e": []}
+        self._latencies = {"ttft": [0, 0.0], "itl": [0, 0.0], "e2e": [0, 0.0]}  # count, sum (what /metrics shows)
+        self._rids: dict[str, str] = {}  # the caller's request id -> the router's, while it runs
 
     @classmethod
     def launch(cls, model_factory, *, tokenizer, num_prefill: int, num_decode: int, engine_kwargs: dict | None = None,
@@ -93,15 +96,20 @@ class AsyncDisaggregatedEngine:
         request = AsyncDisaggregatedRequest(self, request_id, loop)
         with self._lock:
             self._running += 1
+            self._rids[request.request_id] = request.rid
+        request.routed = Routed(request.rid, 0, prompt_ids, params, request, stream=stream)  # before it can end
         try:
-            request.routed = self.engine.enqueue(request.rid, prompt_ids, params, request, 0, stream)
+            self.engine.submit(request.routed)
         except RuntimeError as exc:
-            self.count_end(None, None, 0)
+            self.count_end(request, None, 0)
             raise EngineClosedError(str(exc)) from None
         return request
 
     async def abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
+        """Stop a request by the id `add_request` was given (or its routed id)."""
+        with self._lock:
+            rid = self._rids.get(request_id, request_id)
+        self.engine.abort(rid)
 
     def is_alive(self) -> bool:
         """Whether it serves: not shut down, the router running and a decode worker alive."""
@@ -118,8 +126,6 @@ class AsyncDisaggregatedEngine:
         prefill worker's first token) counted here; prefix-cache lookups and KV usage from the
         workers' last reports (KV usage: the decode workers' pools). Plus the engine's own
         `metrics()` under "disaggregated" (transfers, re-routes, workers)."""
-        from ..engine.metrics import EngineMetrics
-
         m = EngineMetrics().as_dict()  # every name, zeroed, with the summaries' shape
         details = self.engine.metrics()
         workers = details["workers"]
@@ -137,8 +143,8 @@ class AsyncDisaggregatedEngine:
             m["vllm:request_success"] = self._counts["request_success"]
             for name, key in (("vllm:time_to_first_token_seconds", "ttft"),
                               ("vllm:inter_token_latency_seconds", "itl"), ("vllm:e2e_request_latency_seconds", "e2e")):
-                values = self._latencies[key]
-                m[name] = {**m[name], "count": len(values), "sum": sum(values)}
+                count, total_seconds = self._latencies[key]
+                m[name] = {**m[name], "count": count, "sum": total_seconds}
         m["disaggregated"] = details
         return m
 
@@ -160,21 +166,27 @@ class AsyncDisaggregatedEngine:
         if not self.engine.is_running():
             raise EngineClosedError("the disaggregated engine's router is not running (closed or failed)")
 
-    def count_end(self, routed, finish_reason: str | None, num_tokens: int) -> None:
-        """Count one request's end (called on the router's thread by its request)."""
+    def count_end(self, request: "AsyncDisaggregatedRequest", finish_reason: str | None, num_tokens: int) -> None:
+        """Count one request's end (called once per request, on the router's thread)."""
         now = time.perf_counter()
+        routed = request.routed
         with self._lock:
             self._running -= 1
+            self._rids.pop(request.request_id, None)
             if routed is None or finish_reason not in ("stop", "length"):
                 return
             self._counts["request_success"] += 1
             self._counts["prompt_tokens"] += len(routed.prompt)
             self._counts["generation_tokens"] += num_tokens
-            self._latencies["e2e"].append(now - routed.arrival)
+            self._observe("e2e", now - routed.arrival)
             if routed.first_token_time is not None:
-                self._latencies["ttft"].append(routed.first_token_time - routed.arrival)
+                self._observe("ttft", routed.first_token_time - routed.arrival)
                 if num_tokens > 1:
-                    self._latencies["itl"].append((now - routed.first_token_time) / (num_tokens - 1))
+                    self._observe("itl", (now - routed.first_token_time) / (num_tokens - 1))
+
+    def _observe(self, key: str, seconds: float) -> None:
+        self._latencies[key][0] += 1
+        self._latencies[key][1] += seconds
 
 
 class AsyncDisaggregatedRequest:
@@ -215,7 +227,7 @@ class AsyncDisaggregatedRequest:
     def _count_end(self, finish_reason: str | None, num_tokens: int) -> None:
         if not self._counted:
             self._counted = True
-            self._owner.count_end(self.routed, finish_reason, num_tokens)
+            self._owner.count_end(self, finish_reason, num_tokens)
 
     # ------------------------------------------------------------------ the caller's side
     async def events(self) -> AsyncIterator[StreamEvent]:

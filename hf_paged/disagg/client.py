@@ -180,11 +180,15 @@ class DisaggregatedEngine:
     def enqueue(self, rid: str, prompt_ids: list[int], params: SamplingParams, owner, index: int = 0,
                 stream: bool = False) -> Routed:
         """Route one prepared request; its events (`stream`) or output go to `owner.put`."""
+        routed = Routed(rid, index, prompt_ids, params, owner, stream=stream)
+        self.submit(routed)
+        return routed
+
+    def submit(self, routed: Routed) -> None:
+        """Hand a built request to the router."""
         if self.supervisor.is_closed:
             raise RuntimeError("this DisaggregatedEngine is closed")
-        routed = Routed(rid, index, prompt_ids, params, owner, stream=stream)
         self.supervisor.submit(routed)
-        return routed
 
     def _submit(self, prompts, sampling_params, owner, stream: bool):
         if self.supervisor.is_closed:
