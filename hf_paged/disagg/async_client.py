@@ -277,7 +277,8 @@ class AsyncDisaggregatedRequest:
 
     def _streamed_output(self, finish_reason: str) -> RequestOutput:
         """A streamed request's final output, from the events it gave."""
-        sample = CompletionOutput(0, token_ids=list(self._tokens), text="".join(self._text), finish_reason=finish_reason)
+        sample = CompletionOutput(0, token_ids=list(self._tokens), text="".join(self._text),
+                                  finish_reason=finish_reason)
         prompt = list(self.routed.prompt) if self.routed is not None else []
         return RequestOutput(request_id=self.request_id, prompt_token_ids=prompt, outputs=[sample],
                              finish_reason=finish_reason)

@@ -525,9 +525,9 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     parser.add_argument("--num-prefill", type=int, default=None,
-                        help="serve over disaggregated workers: this many prefill processes (default 1 with --num-decode)")
+                        help="serve over disaggregated workers: prefill processes (default 1 with --num-decode)")
     parser.add_argument("--num-decode", type=int, default=None,
-                        help="serve over disaggregated workers: this many decode processes (default 1 with --num-prefill)")
+                        help="serve over disaggregated workers: decode processes (default 1 with --num-prefill)")
     args = parser.parse_args(argv)
     is_disaggregated = args.num_prefill is not None or args.num_decode is not None
     if is_disaggregated and disaggregated is None:

@@ -40,7 +40,8 @@ def test_the_disaggregated_client_declares_every_member():
     from hf_paged.disagg.async_client import AsyncDisaggregatedEngine, AsyncDisaggregatedRequest
 
     init = inspect.getsource(AsyncDisaggregatedEngine.__init__)
-    missing = [n for n in _members(EngineClient) if not hasattr(AsyncDisaggregatedEngine, n) and f"self.{n} =" not in init]
+    missing = [n for n in _members(EngineClient) if not hasattr(AsyncDisaggregatedEngine, n)
+               and f"self.{n} =" not in init]
     assert not missing, missing
     init = inspect.getsource(AsyncDisaggregatedRequest.__init__)
     missing = [n for n in _members(EngineRequest) if not hasattr(AsyncDisaggregatedRequest, n)
