@@ -31,7 +31,7 @@ from hf_paged import Engine, SamplingParams
 from hf_paged.defaults.models import load_default, load_default_tokenizer
 from hf_paged.defaults.prompts import CHAT_PROMPTS, mixed_length_prompts
 from hf_paged.planner.sizing import GPU_PRESETS, ModelShape, decode_point, kv_bytes_per_token, load_config
-from hf_paged.serve.disagg import DisaggregatedEngine
+from hf_paged.disagg import DisaggregatedEngine
 
 
 def _pct(values: list[float], q: float) -> float:

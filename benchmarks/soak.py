@@ -67,7 +67,7 @@ def reference_texts(model: str, max_tokens: int) -> dict[tuple[str, str | None],
     """What an offline `Engine.generate` answers to each prompt, greedily, with each stop or none (the
     oracle). `model` is what `hf-paged serve` takes: a folder, `module:callable` or "default"."""
     from hf_paged import Engine, SamplingParams
-    from hf_paged.serve.models import ModelFromPath
+    from hf_paged.model_source import ModelFromPath
 
     model, tok = ModelFromPath(model)()
     engine = Engine(model.eval(), tok, max_model_len=256, show_progress=False)

@@ -8,9 +8,10 @@ Importing the package registers the "hf_paged" attention implementation, so
 is all a user changes.
 
 Sub-packages, in dependency order (each imports only those before it; `config` is a leaf they all
-may use; `planner` and `defaults` stand apart):
+may use; `planner` and `defaults` stand apart; the fronts `serve` and `disagg` never import each
+other):
 
-    core -> attention -> hf -> worker -> spec_decode -> engine -> integrations -> serve
+    core -> attention -> hf -> worker -> spec_decode -> engine -> integrations -> {serve, disagg}
 """
 
 from .attention import ATTN_IMPLEMENTATION, paged_attention_forward

@@ -12,9 +12,11 @@ from .planner import cli as planner_cli
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["serve"]:
+        from .disagg import AsyncDisaggregatedEngine
         from .serve.api_server import main as serve_main
 
-        return serve_main(argv[1:])
+        # serve and disagg never import each other: the server gets the disaggregated client here.
+        return serve_main(argv[1:], disaggregated=AsyncDisaggregatedEngine.launch)
     if argv[:1] == ["lm-eval"]:  # every later argument is lm-eval's own
         from .integrations.lm_eval_cli import main as lm_eval_main
 

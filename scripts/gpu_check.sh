@@ -141,7 +141,7 @@ run_stage() {  # name, seconds, command...: skipped when done on this machine al
 # The cuda tests, most telling first (a stage cut at its limit loses the end of its list).
 CORE=(tests/worker/test_cuda_graphs.py tests/engine/test_no_sync.py tests/attention/test_triton_tuning.py
       "tests/attention/test_gpu_kernels.py::test_generate_on_gpu_matches_stock")
-MATRIX=(tests/attention/test_gpu_kernels.py tests/serve/test_disagg_smollm2.py
+MATRIX=(tests/attention/test_gpu_kernels.py tests/disagg/test_disagg_smollm2.py
         --deselect "tests/attention/test_gpu_kernels.py::test_generate_on_gpu_matches_stock")
 PYTEST=("$PY" -m pytest -m cuda -v -p no:cacheprovider -rs)
 if [ "$MODE" != dry ]; then

@@ -25,7 +25,8 @@ class Served:
     """A server process for `model_dir` (model id "tiny", context 256, `--max-tokens 64` unless `args`
     say otherwise). Its stderr goes to a file (`stderr()`): a pipe nobody reads would fill and stall it."""
 
-    def __init__(self, model_dir, *args, key: str | None = KEY, host: str = "127.0.0.1", env: dict | None = None):
+    def __init__(self, model_dir, *args, key: str | None = KEY, host: str = "127.0.0.1", env: dict | None = None,
+                 start_timeout: float = 120):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "hf_paged.cli", "serve", str(model_dir), "--served-model-name", "tiny",
@@ -36,7 +37,7 @@ class Served:
         self._log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, text=True,
                                      env={**base, **(env or {})})
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.stderr()[-3000:]}")

@@ -18,11 +18,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_paged"
 
 # The serving stack, bottom to top: a sub-package may import only those before it (and itself).
-CHAIN = ["core", "attention", "hf", "worker", "spec_decode", "engine", "integrations", "serve"]
+CHAIN = ["core", "attention", "hf", "worker", "spec_decode", "engine", "integrations"]
+# The fronts, side by side above the chain: each may import the whole chain, none imports another, and
+# nothing in the chain imports them. `serve` (HTTP) fronts any `engine.EngineClient`: an `AsyncEngine`,
+# or `disagg`'s async client, which only the package front (`cli`) hands it.
+FRONTS = ["disagg", "serve"]
 # They stand apart: nothing of the chain imports them, and they import only the leaf `config`
 # (`defaults` uses the package only through transformers' public `attn_implementation` flag).
 APART = ["planner", "defaults"]
-LEAVES = {"config", "text", "sampling_params"}  # import only each other; anyone may import them
+LEAVES = {"config", "text", "sampling_params", "model_source"}  # import only each other; anyone may import them
 TOP = {"__init__", "cli"}  # the public front: may import anything, imported by nobody below
 
 
@@ -126,7 +130,7 @@ def test_the_stub_really_blocks_torch():
 
 def _direction_violation(src: str, dst: str) -> str | None:
     """Why an import from room `src` of room `dst` breaks the layout, or None if it is allowed."""
-    rank = {room: i for i, room in enumerate(CHAIN)}
+    rank = {room: i for i, room in enumerate(CHAIN)} | {room: len(CHAIN) for room in FRONTS}
     if src in LEAVES and dst not in LEAVES:
         return f"{src} must stay a leaf"
     if src == dst or dst in LEAVES:
@@ -137,8 +141,10 @@ def _direction_violation(src: str, dst: str) -> str | None:
         return None
     if src in APART or dst in APART:
         return f"{src} -> {dst}: planner and defaults stand apart"
+    if src in FRONTS and dst in FRONTS:
+        return f"{src} -> {dst}: the fronts {', '.join(FRONTS)} never import each other"
     if rank[dst] > rank[src]:
-        return f"{src} -> {dst} points up the chain {' <- '.join(CHAIN)}"
+        return f"{src} -> {dst} points up the chain {' <- '.join(CHAIN)} <- {{{', '.join(FRONTS)}}}"
     return None
 
 
@@ -153,13 +159,16 @@ def test_one_dependency_direction():
 
 @pytest.mark.parametrize("src,dst", [("core", "attention"), ("engine", "integrations"), ("hf", "worker"),
                                      ("planner", "engine"), ("engine", "defaults"), ("config", "core"),
-                                     ("worker", "__init__")])
+                                     ("worker", "__init__"), ("serve", "disagg"), ("disagg", "serve"),
+                                     ("engine", "disagg"), ("integrations", "serve"), ("model_source", "engine")])
 def test_the_direction_rule_rejects(src, dst):
     assert _direction_violation(src, dst) is not None
 
 
 @pytest.mark.parametrize("src,dst", [("attention", "core"), ("integrations", "core"), ("planner", "config"),
-                                     ("__init__", "engine"), ("spec_decode", "worker")])
+                                     ("__init__", "engine"), ("spec_decode", "worker"), ("disagg", "engine"),
+                                     ("serve", "integrations"), ("disagg", "core"), ("disagg", "model_source"),
+                                     ("__init__", "disagg")])
 def test_the_direction_rule_allows(src, dst):
     assert _direction_violation(src, dst) is None
 
@@ -282,7 +291,7 @@ def test_every_module_says_what_it_owns():
 def test_tests_mirror_the_sub_packages():
     tests = Path(__file__).resolve().parent
     rooms = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
-    assert rooms == sorted(CHAIN + APART)
+    assert rooms == sorted(CHAIN + FRONTS + APART)
     missing = [room for room in rooms if not list((tests / room).glob("test_*.py"))]
     assert not missing, f"no tests/<room>/test_*.py for {missing}"
 
@@ -313,3 +322,43 @@ def test_no_file_or_class_outgrows_its_room():
                 bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} class {node.name}: "
                            f"{node.end_lineno - node.lineno + 1} lines")
     assert not bad, "\n".join(bad)
+
+
+def test_serve_uses_no_torch_distributed():
+    """The HTTP server fronts an `EngineClient`; process groups, stores and K/V transfers are `disagg`'s
+    (so `serve` runs, and is tested, without a process group)."""
+    bad = []
+    for name, path in _modules().items():
+        if _room(name) != "serve":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                modules = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            if any(m == "torch.distributed" or m.startswith("torch.distributed.") for m in modules):
+                bad.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_disaggregated_router_imports_with_torch_unavailable():
+    """`disagg.router` is bookkeeping like `core`, whose block hash chain it keys affinity with."""
+    script = textwrap.dedent(f"""
+        import sys, types
+        for blocked in ("torch", "transformers", "numpy", "triton"):
+            sys.modules[blocked] = None
+        for name, folder in (("hf_paged", ""), ("hf_paged.disagg", "disagg")):
+            stub = types.ModuleType(name)
+            stub.__path__ = [{str(PACKAGE)!r} + ("/" + folder if folder else "")]
+            sys.modules[name] = stub
+        from hf_paged.core import hash_block_tokens
+        from hf_paged.disagg.router import Router
+
+        router = Router(["p0"], ["d0"], block_size=2)
+        assert router.block_chain([1, 2, 3, 4, 5]) == [hash_block_tokens(None, [1, 2]),
+                                                       hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])]
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

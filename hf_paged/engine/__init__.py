@@ -11,6 +11,8 @@
   parameters, checked before anything is queued. `tracked.py`: the engine's record of a request.
 * `delivery.py`: each owner's inbox of outputs, and `RequestHandle`.
 * `kv_budget.py`: the default KV pool size. `outputs.py`: `RequestOutput`, `StreamEvent`.
+* `protocol.py`: `EngineClient`, what a front end (the HTTP server) needs of an engine; `AsyncEngine`
+  implements it.
 * `metrics.py`: per-request and engine-wide metrics with vLLM's names.
 
 Drives `core` (scheduler), `hf` (the KV owner), `worker` (forward, sampling) and `spec_decode`
@@ -22,5 +24,6 @@ from .delivery import RequestHandle
 from .engine import Engine, EngineClosedError
 from .metrics import EngineMetrics, RequestMetrics
 from .outputs import RequestOutput, StreamEvent
+from .protocol import EngineClient, EngineRequest
 
-__all__ = ["AsyncEngine", "AsyncRequest", "Engine", "EngineClosedError", "EngineMetrics", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]
+__all__ = ["AsyncEngine", "AsyncRequest", "Engine", "EngineClient", "EngineClosedError", "EngineMetrics", "EngineRequest", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]

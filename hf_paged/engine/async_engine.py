@@ -34,7 +34,7 @@ LIVENESS_POLL_SECONDS = 1.0
 
 
 class AsyncEngine:
-    """asyncio front of an `Engine` (started here if it is not running yet).
+    """asyncio front of an `Engine` (started here if it is not running yet); an `EngineClient`.
 
     Args:
         engine: the engine to serve from; `AsyncEngine(model, tokenizer, **engine_kwargs)` builds one.
@@ -125,6 +125,27 @@ class AsyncEngine:
     @property
     def is_closed(self) -> bool:
         return self._closed or self.engine.is_closed
+
+    # ------------------------------------------------------------------ the rest of `EngineClient`
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def tokenizer_lock(self):
+        return self.engine.tokenizer_lock
+
+    def is_alive(self) -> bool:
+        """Whether it serves: not shut down, and the engine's loop running."""
+        return self.engine.is_running() and not self.is_closed
+
+    def metrics(self) -> dict:
+        """The engine's metrics (`Engine.metrics`)."""
+        return self.engine.metrics()
 
     def _check_open(self) -> None:
         if self.is_closed:

@@ -60,6 +60,15 @@ class KVOwner:
     def num_used_blocks(self) -> int:
         return self.cache.pool.num_used_blocks
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix (reusable, or evicted when needed)."""
+        return self.cache.pool.num_cached_blocks
+
+    def kv_numel_per_token(self) -> int:
+        """Elements of one token's K and V over every storage slot (a transfer buffer's per-token size)."""
+        return self.cache.kv_numel_per_token()
+
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         return self.cache.bytes_per_block(dtype)
 
@@ -260,4 +269,4 @@ class KVOwner:
     def transfer_info(self) -> dict:
         """What a disaggregated peer must agree on before K/V move between two engines."""
         return {"num_blocks": self.num_blocks, "block_size": self.block_size,
-                "kv_numel_per_token": self.cache.kv_numel_per_token(), "kv_dtype": self.kv_dtype}
+                "kv_numel_per_token": self.kv_numel_per_token(), "kv_dtype": self.kv_dtype}

@@ -1,11 +1,10 @@
-"""Serving front ends over the engine.
+"""The HTTP front end: `hf-paged serve`, an OpenAI-compatible server (FastAPI + uvicorn).
 
-* `api_server`: `hf-paged serve`, an OpenAI-compatible HTTP server (FastAPI + uvicorn) over
-  `AsyncEngine`, with its request checking in `openai_protocol` (torch-free).
-* `disagg`: disaggregated prefill and decode workers, with its router policy (`router`,
-  torch-free), control messages (`mailbox`), K/V transfer (`transfer`) and worker loop (`worker`).
-* `models`: `ModelFromPath`, the model a command line names (a folder, `module:callable`, "default").
+* `api_server`: the app and the command line; it serves any `engine.EngineClient` (an `AsyncEngine`,
+  or the disaggregated engine's async client, which the command line wires in for
+  `--num-prefill/--num-decode`).
+* `openai_protocol`: request checking and limits (torch-free). `openapi`: the request contract.
 
-The top of the dependency chain, above `integrations`: it may use every other sub-package, and none
-imports it.
+A front at the top of the dependency chain, beside `disagg`: it may use the chain below it, never
+`disagg` (they meet only through the `EngineClient` protocol), and nothing imports it.
 """

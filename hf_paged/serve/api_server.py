@@ -1,4 +1,7 @@
-"""`hf-paged serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncEngine`.
+"""`hf-paged serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over an `EngineClient`: an
+`AsyncEngine`, or (`--num-prefill P --num-decode D`) disaggregated prefill and decode workers through
+their async client, which the `hf-paged` command line wires in (this module imports nothing of
+`disagg`).
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat template),
 `GET /v1/models`, `GET /health` (always open), `GET /metrics` (Prometheus text, vLLM's names) and
@@ -37,7 +40,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ..engine import AsyncEngine, EngineClosedError
+from ..engine import AsyncEngine, EngineClient, EngineClosedError
 from ..sampling_params import SamplingParams
 from ..worker.cpu_caches import bound_cpu_kernel_caches
 from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
@@ -109,7 +112,8 @@ class Server:
     """The app and its state (in-flight count, metrics). `app` is the ASGI application.
 
     Args:
-        engine: the `AsyncEngine` serving requests.
+        engine: the `EngineClient` serving requests (an `AsyncEngine`, or the disaggregated engine's
+            async client).
         tokenizer: tokenises prompts and renders the chat template.
         model_name: the id clients pass as `model` (and `/v1/models` lists).
         api_key: required as `Authorization: Bearer <key>` on every endpoint but `/health`; None: open.
@@ -118,7 +122,7 @@ class Server:
         max_waiting: requests in flight beyond which new ones get 429 with `Retry-After`.
     """
 
-    def __init__(self, engine: AsyncEngine, tokenizer, model_name: str, api_key: str | None = None,
+    def __init__(self, engine: EngineClient, tokenizer, model_name: str, api_key: str | None = None,
                  limits: Limits | None = None, max_waiting: int = 256):
         fastapi, prometheus = _require()
         from fastapi.responses import PlainTextResponse
@@ -130,7 +134,7 @@ class Server:
         self.limits = limits or Limits()
         self.max_waiting = max_waiting
         self.in_flight = 0
-        self.vocab_size = engine.engine.vocab_size
+        self.vocab_size = engine.vocab_size
         self.counts = {"ok": 0, "client_errors": 0, "server_errors": 0, "rejected_busy": 0, "aborted": 0}
         self._parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_paged-parse")
         self._large_bodies = asyncio.Semaphore(MAX_LARGE_BODIES)
@@ -156,7 +160,7 @@ class Server:
 
         @app.get("/health")
         async def health():
-            alive = self.engine.engine.is_running() and not self.engine.is_closed
+            alive = self.engine.is_alive()
             return _json({"status": "ok" if alive else "engine stopped"}, 200 if alive else 503)
 
         @app.get("/v1/models")
@@ -264,7 +268,7 @@ class Server:
 
     def _prompt_ids(self, p: Parsed) -> list[int]:
         """The prompt's token ids (on a worker thread: tokenising and templating cost time)."""
-        with self.engine.engine.tokenizer_lock:  # the engine's: it encodes string prompts too
+        with self.engine.tokenizer_lock:  # the engine's: it encodes string prompts too
             if p.kind == "chat":
                 try:
                     ids = self.tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
@@ -454,7 +458,7 @@ class _EngineCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 
-        m = self.server.engine.engine.metrics()
+        m = self.server.engine.metrics()
         labels = {"model_name": self.server.model_name}
 
         def gauge(name, doc, value):
@@ -488,15 +492,22 @@ class _EngineCollector:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`hf-paged serve MODEL_DIR|default|module:callable [--host --port --api-key ...]`."""
+def main(argv: list[str] | None = None, disaggregated=None) -> int:
+    """`hf-paged serve MODEL_DIR|default|module:callable [--host --port --api-key ...]`.
+
+    Args:
+        disaggregated: builds the `EngineClient` over disaggregated workers for `--num-prefill` /
+            `--num-decode`: called as `disaggregated(model_factory, tokenizer=, num_prefill=,
+            num_decode=, engine_kwargs=)`, with a `max_model_len` attribute on what it returns (the
+            `hf-paged` command passes `disagg.AsyncDisaggregatedEngine.launch`).
+    """
     import argparse
     import dataclasses
     import os
     import sys
 
     from ..engine import Engine
-    from .models import ModelFromPath
+    from ..model_source import ModelFromPath
 
     parser = argparse.ArgumentParser(prog="hf-paged serve", description="OpenAI-compatible server over hf_paged")
     parser.add_argument("model", help="a model folder, a factory 'module:callable', or 'default' (SmolLM2)")
@@ -513,7 +524,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=None, help="a fixed KV pool (blocks of --block-size)")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
+    parser.add_argument("--num-prefill", type=int, default=None,
+                        help="serve over disaggregated workers: prefill processes (default 1 with --num-decode)")
+    parser.add_argument("--num-decode", type=int, default=None,
+                        help="serve over disaggregated workers: decode processes (default 1 with --num-prefill)")
     args = parser.parse_args(argv)
+    is_disaggregated = args.num_prefill is not None or args.num_decode is not None
+    if is_disaggregated and disaggregated is None:
+        parser.error("--num-prefill/--num-decode are wired by the hf-paged command (python -m hf_paged.cli serve)")
     try:  # before loading anything: an empty key would open every route
         check_api_key(args.api_key)
         limits = Limits(**{name: getattr(args, name) for name, _, _, _ in Limits.flags()})
@@ -523,15 +541,27 @@ def main(argv: list[str] | None = None) -> int:
 
     _require()
     bound_cpu_kernel_caches()  # before the first forward: a server's RSS stays flat (worker/cpu_caches.py)
-    model, tokenizer = ModelFromPath(args.model)()
-    if tokenizer is None:
-        parser.error(f"{args.model} has no tokenizer")
-    model = model.eval()
-    limit = args.max_model_len or min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 8192)
-    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                    num_blocks=args.num_blocks, max_model_len=limit, show_progress=False)
+    if is_disaggregated:  # the workers load the model; this process only tokenises
+        factory = ModelFromPath(args.model)
+        _, tokenizer = factory(tokenizer_only=True)
+        if tokenizer is None:
+            parser.error(f"{args.model} has no tokenizer")
+        client = disaggregated(factory, tokenizer=tokenizer, num_prefill=1 if args.num_prefill is None else
+                               args.num_prefill, num_decode=1 if args.num_decode is None else args.num_decode,
+                               engine_kwargs=dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                                                  num_blocks=args.num_blocks, max_model_len=args.max_model_len))
+        limit = args.max_model_len or min(client.max_model_len or 2048, 8192)
+    else:
+        model, tokenizer = ModelFromPath(args.model)()
+        if tokenizer is None:
+            parser.error(f"{args.model} has no tokenizer")
+        model = model.eval()
+        limit = args.max_model_len or min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 8192)
+        engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                        num_blocks=args.num_blocks, max_model_len=limit, show_progress=False)
+        client = AsyncEngine(engine)
     name = args.served_model_name or ("default" if args.model == "default" else args.model)
-    server = Server(AsyncEngine(engine), tokenizer, name, api_key=args.api_key,
+    server = Server(client, tokenizer, name, api_key=args.api_key,
                     limits=dataclasses.replace(limits, max_model_len=limit), max_waiting=args.max_waiting)
     if args.api_key is None and args.host not in LOOPBACK:
         print(f"WARNING: hf-paged serve listens on {args.host} without --api-key: anyone who can reach it can use "
@@ -543,5 +573,5 @@ def main(argv: list[str] | None = None) -> int:
     # drained shutdown exits 0 instead of dying of the signal.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight requests, return
-    engine.shutdown(drain=False)
+    asyncio.run(client.shutdown(drain=False))
     return 0

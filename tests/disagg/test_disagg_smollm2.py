@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
-from hf_paged.serve.disagg import DisaggregatedEngine
+from hf_paged.disagg import DisaggregatedEngine
 
 pytest.importorskip("gguf")
 pytestmark = pytest.mark.slow

@@ -1,9 +1,10 @@
 """Where each request of a disaggregated engine goes. Torch-free bookkeeping.
 
 * **Prefill worker:** by prefix-cache affinity, then load. The router remembers which worker last
-  computed each leading full block of a prompt (a hash chain over blocks of `block_size` tokens,
-  as the workers' prefix caches key them); a new prompt goes to the worker holding the longest run
-  of its leading blocks, ties to the worker with the fewest prompt tokens outstanding.
+  computed each leading full block of a prompt, keyed by `core`'s block hash chain
+  (`hash_block_tokens`, the function the workers' prefix caches key their blocks with, over the
+  same blocks of `block_size` tokens); a new prompt goes to the worker holding the longest run of
+  its leading blocks, ties to the worker with the fewest prompt tokens outstanding.
 * **Decode worker:** by free KV blocks: the last free-block count each worker reported, less the
   blocks the router has sent it since (pledged, released when the request ends there), most room
   first.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ..core import hash_block_tokens
+
 
 class Router:
     """Args:
@@ -22,9 +25,12 @@ class Router:
         decode: the decode workers' names.
         block_size: tokens per KV block (the workers' engines use the same).
         max_affinity_entries: leading-block hashes remembered (oldest forgotten first).
+        extra_key: the salt the chain is hashed with (`hash_block_tokens`' `extra_key`); affinity
+            only compares the router's own hashes, so any fixed value works.
     """
 
-    def __init__(self, prefill: list[str], decode: list[str], block_size: int, max_affinity_entries: int = 65536):
+    def __init__(self, prefill: list[str], decode: list[str], block_size: int, max_affinity_entries: int = 65536,
+                 extra_key: object = None):
         if not prefill and not decode:
             raise ValueError("a disaggregated engine needs at least one worker")
         self.prefill = list(prefill)
@@ -36,13 +42,15 @@ class Router:
         self.reported_free: dict[str, int | None] = {name: None for name in decode}
         self._affinity: OrderedDict[int, str] = OrderedDict()  # leading-block chain hash -> prefill worker
         self._max_affinity = max_affinity_entries
+        self.extra_key = extra_key
 
     # ------------------------------------------------------------------ prefill
     def block_chain(self, prompt: list[int]) -> list[int]:
-        """One hash per leading full block of `prompt`, each covering every token before it."""
-        bs, chain, h = self.block_size, [], 0
+        """One hash per leading full block of `prompt`, each covering every token before it (the
+        prefix cache's chain: the first block's parent is None)."""
+        bs, chain, h = self.block_size, [], None
         for start in range(0, len(prompt) - bs + 1, bs):
-            h = hash((h, tuple(prompt[start:start + bs])))
+            h = hash_block_tokens(h, prompt[start:start + bs], self.extra_key)
             chain.append(h)
         return chain
 

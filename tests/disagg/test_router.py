@@ -7,8 +7,8 @@ import time
 import pytest
 from torch.distributed import HashStore
 
-from hf_paged.serve.mailbox import Mailbox
-from hf_paged.serve.router import Router
+from hf_paged.disagg.mailbox import Mailbox
+from hf_paged.disagg.router import Router
 
 
 def test_prefill_goes_where_the_prompts_leading_blocks_were_computed_then_to_the_least_loaded():

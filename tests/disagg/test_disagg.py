@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hf_paged import Engine, SamplingParams
-from hf_paged.serve.disagg import DisaggregatedEngine
+from hf_paged.disagg import DisaggregatedEngine
 from tiny_models import VOCAB, tiny_paged_llama
 
 pytestmark = pytest.mark.slow
@@ -210,7 +210,7 @@ def test_bad_topologies_and_factories_are_refused():
 
 
 def test_torchrun_runs_the_same_topology_across_processes(tmp_path):
-    """`python -m torch.distributed.run --nproc-per-node 3 -m hf_paged.serve.disagg --prefill 1 --decode 1`:
+    """`python -m torch.distributed.run --nproc-per-node 3 -m hf_paged.disagg.torchrun --prefill 1 --decode 1`:
     rank 0 routes and writes the outputs, rank 1 prefills, rank 2 decodes."""
     import json
     import subprocess
@@ -222,7 +222,7 @@ def test_torchrun_runs_the_same_topology_across_processes(tmp_path):
     rows.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-           "-m", "hf_paged.serve.disagg", "--prefill", "1", "--decode", "1", "--model", str(model_dir),
+           "-m", "hf_paged.disagg.torchrun", "--prefill", "1", "--decode", "1", "--model", str(model_dir),
            "--input", str(rows), "--output", str(out), "--max-new-tokens", "6"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -124,7 +124,8 @@ class Worker:
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:
-        self.mailbox.send(ROUTER, {"op": "ready", "name": self.spec.name, **self.status()})
+        self.mailbox.send(ROUTER, {"op": "ready", "name": self.spec.name, **self.status(),
+                                   "vocab_size": self.engine.vocab_size, "max_model_len": self.engine.max_model_len})
         last_beat = 0.0
         pulse = _StepPulse(self.mailbox, self.spec.heartbeat_interval)
         try:
@@ -155,16 +156,16 @@ class Worker:
             pulse.close()
 
     def status(self) -> dict:
-        pool = self.engine.cache.pool
-        return {"role": self.spec.role, "free_blocks": pool.num_free_blocks + pool.num_cached_blocks,
-                "num_blocks": pool.num_blocks, "block_size": self.engine.cache.block_size,
+        kv = self.engine.kv
+        return {"role": self.spec.role, "free_blocks": kv.num_free_blocks + kv.num_cached_blocks,
+                "num_blocks": kv.num_blocks, "block_size": kv.block_size,
                 "running": len(self.requests), "pending_sends": len(self.sends), "pending_recvs": len(self.recvs),
                 "messages_sent": dict(self.mailbox.num_sent), "tensors_sent": self.num_sent_tensors,
-                "kv_numel_per_token": self.engine.cache.kv_numel_per_token(),
+                "kv_numel_per_token": self.engine.kv.kv_numel_per_token(),
                 "kv_dtype": transfer.dtype_name(self._kv_dtype()), "engine": _engine_counters(self.engine)}
 
     def _kv_dtype(self) -> torch.dtype:
-        return self.engine.cache.layers[0].keys.dtype
+        return self.engine.kv.kv_dtype
 
     # ------------------------------------------------------------------ control
     def handle(self, message: dict) -> None:

@@ -1,11 +1,13 @@
 """Models named on the command line: a local folder, a factory `module:callable`, or "default" (the
-embedded SmolLM2-135M-Instruct). Shared by `hf-paged serve` and the disaggregated engine's workers."""
+embedded SmolLM2-135M-Instruct). Shared by `hf-paged serve` and the disaggregated engine's workers
+(`ModelFromPath` is picklable: it crosses to each worker process), so it belongs to neither: a leaf
+that imports nothing of hf_paged (the default model is named by its factory's path)."""
 
 from __future__ import annotations
 
 import os
 
-# `--model default`: the package's embedded model, named by its factory (serve does not import defaults).
+# `--model default`: the package's embedded model, named by its factory (nothing in the chain imports defaults).
 DEFAULT_FACTORY = "hf_paged.defaults.models:load_default"
 
 
