@@ -46,6 +46,7 @@ from .executor import InProcessExecutor
 from .inputs import as_token_id_list, model_eos_token_ids
 from .intake import Intake
 from .kv_budget import default_num_blocks
+from .loop import StepLoop
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput
 
@@ -178,9 +179,7 @@ class Engine(BlockingAPI):
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
         self._lock = threading.RLock()
         self._inbox: deque[tuple] = deque()
-        self._wakeup = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stop_mode: str | None = None
+        self.loop = StepLoop(self._lock, self._loop_turn, self._loop_died)
         self._closed = False  # `shutdown()`: every later call raises EngineClosedError
 
     # ------------------------------------------------------------------ requests
@@ -245,10 +244,10 @@ class Engine(BlockingAPI):
 
     def _post(self, command: tuple) -> None:
         """Apply `command` now if no step is running, else hand it to the running loop."""
-        if self.is_running() and threading.current_thread() is not self._thread:
+        if self.is_running() and not self.loop.is_loop_thread():
             done = threading.Event()
             self._inbox.append((*command, done))
-            self._wakeup.set()
+            self.loop.wake()
             if command[0] == "abort":
                 while not done.wait(0.1):  # the loop applies it before its next step
                     if not self.is_running():  # it stopped meanwhile: apply it here
@@ -436,11 +435,7 @@ class Engine(BlockingAPI):
         from any thread are served without driving steps themselves. Idempotent; returns self."""
         with self._lock:
             self._check_open()
-            if self.is_running():
-                return self
-            self._stop_mode = None
-            self._thread = threading.Thread(target=self._loop, name="hf_paged-engine", daemon=True)
-            self._thread.start()
+            self.loop.start()
         return self
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
@@ -449,15 +444,7 @@ class Engine(BlockingAPI):
         Raises:
             TimeoutError: the loop did not end within `timeout` seconds (it keeps running).
         """
-        thread = self._thread
-        if thread is None:
-            return
-        self._stop_mode = "drain" if drain else "abort"
-        self._wakeup.set()
-        thread.join(timeout)
-        if thread.is_alive():
-            raise TimeoutError(f"the engine loop did not stop within {timeout} s")
-        self._thread = None
+        self.loop.stop(drain, timeout)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop for good: finish (`drain`) or abort every request, stop the background loop, and free
@@ -493,39 +480,25 @@ class Engine(BlockingAPI):
 
     def is_running(self) -> bool:
         """Whether the background loop is running."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        return self.loop.is_running()
 
-    def _loop(self) -> None:
+    def _loop_turn(self, stop_mode: str | None) -> bool:
+        """One turn of the background loop (under the lock): returns whether requests remain."""
+        self._apply_inbox()
+        if stop_mode == "abort":
+            self.core.end_all("abort")
+        busy = self.core.scheduler.has_unfinished
+        if busy:
+            self.advance()
+        return busy
+
+    def _loop_died(self, error: Exception) -> None:
+        """Every owner gets its end: requests handed over as the loop died are queued first, then ended."""
         try:
-            self._run_loop()
-        except BaseException as exc:
-            logger.exception("hf_paged: the engine loop stopped")
-            error = exc if isinstance(exc, Exception) else RuntimeError(f"the engine loop stopped: {exc!r}")
-            with self._lock:  # nothing waits silently on a loop that is gone: every owner gets its end
-                try:
-                    self._apply_inbox()  # requests handed over as it died are queued first, then ended
-                except Exception:  # noqa: BLE001 - what it could not apply is still ended below
-                    logger.exception("hf_paged: applying the last commands failed")
-                self.core.end_all("error", error)  # one request's end never keeps the others waiting
-            raise
-
-    def _run_loop(self) -> None:
-        while True:
-            with self._lock:
-                self._apply_inbox()
-                if self._stop_mode == "abort":
-                    self.core.end_all("abort")
-                busy = self.core.scheduler.has_unfinished
-                if not busy and self._stop_mode is not None:
-                    return
-                if busy:
-                    self.advance()
-            if not busy:
-                self._wakeup.wait(0.05)
-                self._wakeup.clear()
-            else:
-                time.sleep(0)  # let other threads take the lock between steps
+            self._apply_inbox()
+        except Exception:  # noqa: BLE001 - what it could not apply is still ended below
+            logger.exception("hf_paged: applying the last commands failed")
+        self.core.end_all("error", error)  # one request's end never keeps the others waiting
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict:
