@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence as SequenceABC
 import torch
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..config import PagedCacheConfig
+from ..config import EngineConfig, PagedCacheConfig
 from ..core import KVSequence, Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerprint
 from ..hf.support import check_paged_attention_supported
@@ -128,6 +128,9 @@ class _Tracked:
 class Engine:
     """Continuous-batching generation for a transformers causal LM.
 
+    Its keyword defaults are `config.EngineConfig`'s: `Engine(model, tokenizer, **EngineConfig(...).engine_kwargs())`
+    builds one from a config.
+
     Args:
         model: a decoder-only transformers model. It is switched to `attn_implementation="hf_paged"`
             if needed (forwards without the engine's metadata still run transformers' own sdpa).
@@ -167,28 +170,28 @@ class Engine:
         model: torch.nn.Module,
         tokenizer=None,
         *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_kv_bytes: int | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_quant_scheme: str = "dynamic",
-        kv_quant_rotation: bool = True,
-        enable_prefix_caching: bool = True,
-        enable_hybrid_kv: bool = True,
-        cache_salt: str | None = None,
-        max_model_len: int | None = None,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+        block_size: int = EngineConfig.block_size,
+        num_blocks: int | None = EngineConfig.num_blocks,
+        max_kv_bytes: int | None = EngineConfig.max_kv_bytes,
+        kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
+        kv_quant_scheme: str = EngineConfig.kv_quant_scheme,
+        kv_quant_rotation: bool = EngineConfig.kv_quant_rotation,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
+        enable_hybrid_kv: bool = EngineConfig.enable_hybrid_kv,
+        cache_salt: str | None = EngineConfig.cache_salt,
+        max_model_len: int | None = EngineConfig.max_model_len,
         show_progress: bool | None = None,
         draft_model: torch.nn.Module | None = None,
-        speculative_method: str | None = None,
-        num_speculative_tokens: int | None = None,
-        prompt_lookup_min: int = 1,
-        prompt_lookup_max: int = 3,
+        speculative_method: str | None = EngineConfig.speculative_method,
+        num_speculative_tokens: int | None = EngineConfig.num_speculative_tokens,
+        prompt_lookup_min: int = EngineConfig.prompt_lookup_min,
+        prompt_lookup_max: int = EngineConfig.prompt_lookup_max,
         eos_token_ids: int | SequenceABC[int] | None = None,
-        cuda_graphs: bool | None = None,
-        cuda_graph_batch_sizes: SequenceABC[int] | None = None,
-        cuda_graph_max_seqlens: SequenceABC[int] | None = None,
+        cuda_graphs: bool | None = EngineConfig.cuda_graphs,
+        cuda_graph_batch_sizes: SequenceABC[int] | None = EngineConfig.cuda_graph_batch_sizes,
+        cuda_graph_max_seqlens: SequenceABC[int] | None = EngineConfig.cuda_graph_max_seqlens,
     ):
         check_model_supported(model.config)
         check_paged_attention_supported(model.config)  # packed steps need attention over the blocks
@@ -532,6 +535,69 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._inbox)
+
+    # ------------------------------------------------------------------ sizing (read-only, and one resize)
+    @property
+    def max_num_seqs(self) -> int:
+        """Most requests running at once (`resize` raises it)."""
+        return self.scheduler.max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.cache.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV pool (`resize` grows it)."""
+        return self.cache.pool.num_blocks
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        """Blocks of the pool held by live sequences: running requests and kept K/V (`kept_kv`)."""
+        return self.cache.pool.num_used_blocks
+
+    def resize(self, max_num_seqs: int | None = None, max_model_len: int | None = None,
+               num_blocks: int | None = None) -> None:
+        """Raise the engine's limits to at least the given values, between steps; None leaves one as it
+        is. Never shrinks anything: running requests and kept K/V may rely on the current limits, so a
+        smaller value keeps the current one.
+
+        Args:
+            max_num_seqs: most requests running at once.
+            max_model_len: longest sequence (prompt + output).
+            num_blocks: blocks in the KV pool; growing allocates every layer's K/V for them.
+
+        Raises:
+            ValueError: a value that is not a positive integer (`max_model_len` at least 2); nothing
+                changes then.
+        """
+        for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
+                                 ("num_blocks", num_blocks, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
+        with self._lock:  # not under a running step
+            if max_num_seqs is not None:
+                self.scheduler.max_num_seqs = max(self.scheduler.max_num_seqs, max_num_seqs)
+            if max_model_len is not None:
+                self.max_model_len = max(self.max_model_len, max_model_len)
+            if num_blocks is not None:
+                self.cache.grow_to(num_blocks)  # never shrinks
+
+    def check_kv_transferable(self) -> None:
+        """Raise ValueError unless this engine's K/V can move to another engine token by token
+        (`export_kv` / `import_kv`: one KV group, unquantised, every layer's tensors allocated)."""
+        self.cache.check_transferable()
+
+    def kv_transfer_info(self) -> dict:
+        """What a disaggregated worker reports of its KV pool: `num_blocks`, `free_blocks` (free or
+        only cached, so reusable), `block_size`, `kv_numel_per_token` (elements of one token's K and V,
+        `export_kv`'s buffer per token) and `kv_dtype` (the torch dtype K/V are stored and moved in).
+        Needs every layer's tensors allocated (one forward)."""
+        pool = self.cache.pool
+        return {"num_blocks": pool.num_blocks, "free_blocks": pool.num_free_blocks + pool.num_cached_blocks,
+                "block_size": self.cache.block_size, "kv_numel_per_token": self.cache.kv_numel_per_token(),
+                "kv_dtype": self.cache.layers[0].keys.dtype}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, as after a weight change the automatic detection cannot see

@@ -495,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
     import sys
 
+    from ..config import EngineConfig
     from ..engine import Engine
     from .models import ModelFromPath
 
@@ -509,9 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
     for name, flag, default, help in Limits.flags():  # the request caps: one definition, in openai_protocol.Limits
         parser.add_argument(flag, dest=name, type=int, default=default, help=f"{help} (default {default})")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-blocks", type=int, default=None, help="a fixed KV pool (blocks of --block-size)")
-    parser.add_argument("--block-size", type=int, default=16)
+    EngineConfig.add_cli_args(parser, ["max_num_seqs", "num_blocks", "block_size"])  # one definition, too
     parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     args = parser.parse_args(argv)
     try:  # before loading anything: an empty key would open every route
@@ -528,8 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.model} has no tokenizer")
     model = model.eval()
     limit = args.max_model_len or min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 8192)
-    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                    num_blocks=args.num_blocks, max_model_len=limit, show_progress=False)
+    engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args, max_model_len=limit).engine_kwargs(),
+                    show_progress=False)
     name = args.served_model_name or ("default" if args.model == "default" else args.model)
     server = Server(AsyncEngine(engine), tokenizer, name, api_key=args.api_key,
                     limits=dataclasses.replace(limits, max_model_len=limit), max_waiting=args.max_waiting)

@@ -47,6 +47,7 @@ from collections.abc import Iterator, Sequence as SequenceABC
 
 import torch
 
+from ..config import EngineConfig
 from ..engine.outputs import CompletionOutput, RequestOutput, StreamEvent
 from ..sampling_params import SamplingParams
 from ..worker.sampling import draw_seed
@@ -117,7 +118,7 @@ class DisaggregatedEngine:
             raise ValueError(f"need num_prefill >= 0 and num_decode >= 1, got {num_prefill!r} and {num_decode!r}")
         if not callable(model_factory):
             raise TypeError("model_factory must be a picklable callable returning the model (or model, tokenizer)")
-        engine_kwargs = {"block_size": 16, "enable_hybrid_kv": False, **(engine_kwargs or {})}
+        engine_kwargs = {"block_size": EngineConfig.block_size, "enable_hybrid_kv": False, **(engine_kwargs or {})}
         backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         names = self._init_router(store, num_prefill, num_decode, engine_kwargs["block_size"], heartbeat_timeout,
@@ -556,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="JSON lines with a 'prompt' (text) or 'token_ids' per row")
     parser.add_argument("--output", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16)
+    EngineConfig.add_cli_args(parser, ["block_size"])
     parser.add_argument("--backend", default=None)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     args = parser.parse_args(argv)
