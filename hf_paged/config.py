@@ -174,7 +174,7 @@ class EngineConfig:
     max_num_seqs: int = _knob(64, "most requests running at once")
     max_num_batched_tokens: int = _knob(2048, "token budget of one forward step (decodes plus prefill chunks)")
     block_size: int = _knob(DEFAULT_BLOCK_SIZE, "tokens per KV block")
-    num_blocks: int | None = _knob(None, "a fixed KV pool of this many blocks (default: sized from --max-kv-bytes, "
+    num_blocks: int | None = _knob(None, "a fixed KV pool of this many blocks (default: sized from max_kv_bytes, "
                                          "or from the free memory)", parse=int)
     max_kv_bytes: int | None = _knob(None, "KV budget in bytes (default: 2 GiB on CPU, half the free memory on "
                                            "CUDA, capped at what max-num-seqs full-length sequences need)", parse=int)
