@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import DEFAULT_BLOCK_SIZE
+from .config import EngineConfig
 from .planner import cli as planner_cli
 
 
@@ -29,7 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="answer one chat prompt, or every row of a dataset file (--input)")
     gen.add_argument("prompt", nargs="?", help="one chat prompt (without --input)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     gen.add_argument("--model", default="default", help="a model folder, or 'default' (SmolLM2-135M-Instruct)")
     gen.add_argument("--input", help="rows to complete: .jsonl, .json, .csv, .parquet, or a saved datasets folder")
     gen.add_argument("--column", default="prompt", help="the input column holding each prompt")
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0, help="0 = off")
     gen.add_argument("--seed", type=int, default=None, help="row i samples with seed + i")
-    gen.add_argument("--max-num-seqs", type=int, default=64, help="rows running at once")
+    EngineConfig.add_cli_args(gen, ["max_num_seqs", "block_size"])  # the engine's knobs: one definition
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     gen.add_argument("--device", default=None, help="where the model runs (default: cuda if present, else cpu)")
     gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
@@ -121,7 +120,7 @@ def _batch_job(parser, args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, block_size=args.block_size, show_progress=False)
+    engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args).engine_kwargs(), show_progress=False)
     try:
         counts = run_job(engine, tokenizer, read_rows(args.input), args.output, params, column=args.column,
                          chat=args.chat, progress=not args.no_progress)

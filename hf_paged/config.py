@@ -7,7 +7,7 @@ torch-free `core` included, can import it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 # Tokens per KV block unless configured otherwise (the cache, the engine, the draft pool, the CLIs).
 DEFAULT_BLOCK_SIZE = 16
@@ -152,6 +152,105 @@ class PagedCacheConfig:
     def kv_dtype(self) -> KVCacheDtype:
         """The `KV_CACHE_DTYPES` entry of `kv_cache_dtype`."""
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+def _knob(default, help: str, parse=None, choices: Sequence[str] | None = None):
+    """An `EngineConfig` field: its default, the help of its flag, and how the flag parses (default:
+    the type of `default`; a tuple default or `parse=(int,)` takes one or more values)."""
+    return field(default=default, metadata={"help": help, "parse": parse or type(default), "choices": choices})
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every knob of `Engine` with its default, defined once (vLLM's `EngineArgs`): `Engine`'s keyword
+    defaults, the scheduler's and the command lines' flags (`hf-paged serve`, `hf-paged generate
+    --input`, the disaggregated job) all come from here. The cache knobs take `PagedCacheConfig`'s
+    defaults. `Engine(model, tokenizer, **config.engine_kwargs())` builds an engine from one.
+
+    The fields are documented by their help text (`EngineConfig.help(name)`, or any command's
+    `--help`); `Engine`'s docstring says the rest.
+    """
+
+    max_num_seqs: int = _knob(64, "most requests running at once")
+    max_num_batched_tokens: int = _knob(2048, "token budget of one forward step (decodes plus prefill chunks)")
+    block_size: int = _knob(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    num_blocks: int | None = _knob(None, "a fixed KV pool of this many blocks (default: sized from max_kv_bytes, "
+                                         "or from the free memory)", parse=int)
+    max_kv_bytes: int | None = _knob(None, "KV budget in bytes (default: 2 GiB on CPU, half the free memory on "
+                                           "CUDA, capped at what max-num-seqs full-length sequences need)", parse=int)
+    kv_cache_dtype: str = _knob(PagedCacheConfig.kv_cache_dtype, "K/V storage dtype (auto: the model's)",
+                                choices=KV_CACHE_DTYPE_NAMES)
+    kv_quant_scheme: str = _knob(PagedCacheConfig.kv_quant_scheme, "how a quantised cache scales its rows",
+                                 choices=KV_QUANT_SCHEMES)
+    kv_quant_rotation: bool = _knob(PagedCacheConfig.kv_quant_rotation,
+                                    "a quantised cache rotates K/V rows (Hadamard) before quantising")
+    enable_prefix_caching: bool = _knob(PagedCacheConfig.enable_prefix_caching,
+                                        "share the K/V of full blocks whose token prefix is identical")
+    enable_hybrid_kv: bool = _knob(PagedCacheConfig.enable_hybrid_kv,
+                                   "sliding-window layers release the blocks that left their window")
+    cache_salt: str | None = _knob(PagedCacheConfig.cache_salt, "mixed into every block hash: caches with "
+                                                                "other salts never share K/V", parse=str)
+    max_model_len: int | None = _knob(None, "longest sequence, prompt + output (default: the model's max "
+                                            "positions)", parse=int)
+    speculative_method: str | None = _knob(None, "speculative decoding: ngram (prompt lookup), or draft_model "
+                                                 "(Engine(draft_model=...) only)", parse=str,
+                                           choices=("ngram", "draft_model"))
+    num_speculative_tokens: int | None = _knob(None, "tokens drafted per step and request (default 5 when "
+                                                     "speculating)", parse=int)
+    prompt_lookup_min: int = _knob(1, "smallest n-gram the ngram proposer tries")
+    prompt_lookup_max: int = _knob(3, "largest n-gram the ngram proposer tries")
+    cuda_graphs: bool | None = _knob(None, "replay decode steps from CUDA graphs (default: on for a CUDA model "
+                                           "with the Triton backend)", parse=bool)
+    cuda_graph_batch_sizes: tuple[int, ...] | None = _knob(None, "CUDA graph batch buckets (default 1, 2, 4, ... "
+                                                                 "and max-num-seqs)", parse=(int,))
+    cuda_graph_max_seqlens: tuple[int, ...] | None = _knob(None, "CUDA graph sequence-length buckets (default "
+                                                                 "256, 512, ... and the longest sequence)",
+                                                           parse=(int,))
+
+    def engine_kwargs(self) -> dict:
+        """The fields as `Engine` keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The help text of field `name`."""
+        return cls.__dataclass_fields__[name].metadata["help"]
+
+    @classmethod
+    def add_cli_args(cls, parser, names: Sequence[str] | None = None):
+        """Add a flag per field in `names` (default: all) to an argparse parser or group: `max_num_seqs`
+        becomes `--max-num-seqs` (dest `max_num_seqs`) with the field's default and help; booleans
+        take `--x` / `--no-x`. Returns the parser."""
+        import argparse
+
+        known = {f.name: f for f in fields(cls)}
+        unknown = [n for n in names or () if n not in known]
+        if unknown:
+            raise ValueError(f"not EngineConfig fields: {unknown}")
+        for name in names if names is not None else known:
+            f = known[name]
+            parse, default = f.metadata["parse"], f.default
+            shown = "" if default is None else f" (default {default})"
+            kwargs = dict(dest=name, default=default, help=f.metadata["help"] + shown)
+            if parse is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif isinstance(parse, tuple):
+                kwargs.update(type=parse[0], nargs="+")
+            else:
+                kwargs.update(type=parse, choices=f.metadata["choices"])
+            parser.add_argument("--" + name.replace("_", "-"), **kwargs)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args, **overrides) -> "EngineConfig":
+        """An `EngineConfig` from the flags `add_cli_args` added to `args` (an argparse namespace); the
+        other fields keep their defaults, `overrides` win."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        values.update(overrides)
+        for name in ("cuda_graph_batch_sizes", "cuda_graph_max_seqlens"):
+            if values.get(name) is not None:
+                values[name] = tuple(values[name])
+        return cls(**values)
 
 
 def kv_bytes_per_token_layer(num_kv_heads: int, head_dim: int, head_dim_v: int, kv_dtype: KVCacheDtype,

@@ -362,3 +362,123 @@ def test_the_disaggregated_router_imports_with_torch_unavailable():
     """)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+# The engine's defaults (`config.EngineConfig`): each is a literal in one place, config.py; everything
+# else (the Engine's signature, the scheduler's, the CLIs' flags, the disaggregated workers' kwargs)
+# refers to it. `DEFAULT_BLOCK_SIZE` is the block size's one literal (the cache config's too).
+ENGINE_DEFAULTS = ("max_num_seqs", "max_num_batched_tokens", "block_size")
+
+
+def _knob(name: str | None) -> str | None:
+    """The engine default a name stands for: the knob itself, its flag (`--max-num-seqs`) or its
+    constant (`DEFAULT_BLOCK_SIZE`)."""
+    if not isinstance(name, str):
+        return None
+    name = name.lstrip("-").replace("-", "_").lower().removeprefix("default_")
+    return name if name in ENGINE_DEFAULTS else None
+
+
+def _literal(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool)
+
+
+def _default_literals(tree: ast.AST) -> list[tuple[str, int]]:
+    """(knob, line) for each literal that sets an engine default: a parameter's default, a keyword
+    argument, a dict entry, an assignment or class field (`field(default=...)` or a helper call's
+    first argument too), or an argparse flag's `default=`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            a = node.args
+            positional = a.posonlyargs + a.args
+            pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults))
+            pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults) if d is not None]
+            found += [(_knob(arg.arg), d.lineno) for arg, d in pairs if _knob(arg.arg) and _literal(d)]
+        elif isinstance(node, ast.Call):
+            found += [(_knob(k.arg), k.value.lineno) for k in node.keywords if _knob(k.arg) and _literal(k.value)]
+            if isinstance(node.func, ast.Attribute) and node.func.attr == "add_argument":
+                names = [a.value for a in node.args if isinstance(a, ast.Constant)]
+                names += [k.value.value for k in node.keywords if k.arg == "dest" and isinstance(k.value, ast.Constant)]
+                knob = next((_knob(n) for n in names if _knob(n)), None)
+                found += [(knob, k.value.lineno) for k in node.keywords
+                          if knob and k.arg == "default" and _literal(k.value)]
+        elif isinstance(node, ast.Dict):
+            found += [(_knob(k.value), v.lineno) for k, v in zip(node.keys, node.values)
+                      if isinstance(k, ast.Constant) and _knob(k.value) and _literal(v)]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            value = node.value
+            if isinstance(value, ast.Call):  # a dataclass field: `field(default=64)`, or a helper's `_knob(64, ...)`
+                first = value.args[0] if value.args else None
+                value = next((k.value for k in value.keywords if k.arg == "default"), first)
+            for t in targets:
+                name = t.id if isinstance(t, ast.Name) else t.attr if isinstance(t, ast.Attribute) else None
+                if _knob(name) and value is not None and _literal(value):
+                    found.append((_knob(name), node.lineno))
+    return found
+
+
+@pytest.mark.parametrize("knob", ENGINE_DEFAULTS)
+def test_each_engine_default_is_a_literal_in_one_place(knob):
+    sites = [f"{path.relative_to(PACKAGE.parent)}:{line}" for name, path in _modules().items()
+             for k, line in _default_literals(ast.parse(path.read_text())) if k == knob]
+    assert len(sites) == 1 and sites[0].startswith("hf_paged/config.py:"), sites
+
+
+@pytest.mark.parametrize("src", [
+    "def f(max_num_seqs=64): pass", "def f(*, block_size: int = 16): pass", "Engine(m, max_num_batched_tokens=2048)",
+    "p.add_argument('--block-size', type=int, default=16)", "kw = {'block_size': 16}", "DEFAULT_BLOCK_SIZE = 16",
+    "class C:\n    max_num_seqs: int = field(default=64)", "class C:\n    block_size: int = _knob(16, 'help')",
+])
+def test_the_default_finder_finds(src):
+    assert _default_literals(ast.parse(src))
+
+
+@pytest.mark.parametrize("src", [
+    "def f(max_num_seqs=EngineConfig.max_num_seqs): pass", "Engine(m, block_size=args.block_size)",
+    "p.add_argument('--max-num-seqs', type=int, default=DEFAULTS.max_num_seqs)", "def f(num_blocks=16): pass",
+])
+def test_the_default_finder_allows(src):
+    assert not _default_literals(ast.parse(src))
+
+
+# An engine's parts (its scheduler, KV cache, model runner) and an `AsyncEngine`'s engine are the
+# engine package's own: everyone else goes through `Engine`'s public methods and properties.
+ENGINE_PARTS = {"scheduler", "cache", "runner", "engine"}
+
+
+def _part_reach_ins(tree: ast.AST) -> list[tuple[str, int]]:
+    """(`engine.scheduler`, line) for each use of an engine's part: `<...>.engine.<part>`,
+    `<...>_engine.<part>` or `engine.<part>` read, written or called into."""
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name.lstrip("_") == "engine" or name.endswith("_engine"):
+                bad.append((ast.unparse(node), node.lineno))
+    return bad
+
+
+def test_nothing_outside_the_engine_reaches_into_its_parts():
+    bad = [f"{path.relative_to(PACKAGE.parent)}:{line} {expr}" for name, path in _modules().items()
+           if _room(name) != "engine"
+           for expr, line in _part_reach_ins(ast.parse(path.read_text()))]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("src", [
+    "engine.scheduler.max_num_seqs = 4", "engine.cache.grow_to(8)", "n = self.engine.cache.pool.num_used_blocks",
+    "x = server.engine.engine.metrics()", "slot.engine.runner.run()", "self._engine.scheduler.has_unfinished",
+])
+def test_the_reach_in_finder_finds(src):
+    assert _part_reach_ins(ast.parse(src))
+
+
+@pytest.mark.parametrize("src", [
+    "engine.resize(max_num_seqs=4)", "n = engine.num_used_kv_blocks", "ref.cache.layers", "self.cache.pool",
+    "slot.engine = None", "self.engine.metrics()",
+])
+def test_the_reach_in_finder_allows(src):
+    assert not _part_reach_ins(ast.parse(src))

@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..config import EngineConfig
 from .block_pool import BlockManager
 from .sequence import KVSequence
 
@@ -136,7 +137,8 @@ class Scheduler:
         max_num_batched_tokens: token budget of one step (decodes plus prefill chunks).
     """
 
-    def __init__(self, manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 2048):
+    def __init__(self, manager: BlockManager, max_num_seqs: int = EngineConfig.max_num_seqs,
+                 max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens):
         self.check_limits(max_num_seqs, max_num_batched_tokens)
         self.manager = manager
         self.max_num_seqs = max_num_seqs

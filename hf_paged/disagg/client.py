@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence as SequenceABC
 
+from ..config import EngineConfig
 from ..engine.outputs import CompletionOutput, RequestOutput, StreamEvent
 from ..sampling_params import SamplingParams
 from ..worker.sampling import draw_seed
@@ -56,7 +57,7 @@ class DisaggregatedEngine:
             raise ValueError(f"need num_prefill >= 0 and num_decode >= 1, got {num_prefill!r} and {num_decode!r}")
         if not callable(model_factory):
             raise TypeError("model_factory must be a picklable callable returning the model (or model, tokenizer)")
-        engine_kwargs = {"block_size": 16, "enable_hybrid_kv": False, **(engine_kwargs or {})}
+        engine_kwargs = {"block_size": EngineConfig.block_size, "enable_hybrid_kv": False, **(engine_kwargs or {})}
         backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
         self._init(tokenizer)
         self.supervisor = Supervisor.spawn(model_factory, num_prefill, num_decode, backend,

@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from ..config import EngineConfig
 from ..model_source import ModelFromPath
 from ..sampling_params import SamplingParams
 from .client import DisaggregatedEngine
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="JSON lines with a 'prompt' (text) or 'token_ids' per row")
     parser.add_argument("--output", required=True)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--block-size", type=int, default=16)
+    EngineConfig.add_cli_args(parser, ["block_size"])
     parser.add_argument("--backend", default=None)
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     args = parser.parse_args(argv)

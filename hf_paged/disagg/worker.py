@@ -90,7 +90,7 @@ def main(spec: WorkerSpec) -> None:
         engine.generate([[0, 1]], SamplingParams(max_new_tokens=1))  # allocates every layer's K/V tensors
         engine.reset_prefix_cache()
         engine.reset_metrics()
-        engine.kv.check_transferable()
+        engine.check_kv_transferable()
         Worker(spec, engine, mailbox).run()
     except Exception as exc:  # noqa: BLE001 - report, then exit: the router re-routes this worker's requests
         traceback.print_exc()
@@ -156,16 +156,16 @@ class Worker:
             pulse.close()
 
     def status(self) -> dict:
-        kv = self.engine.kv
-        return {"role": self.spec.role, "free_blocks": kv.num_free_blocks + kv.num_cached_blocks,
-                "num_blocks": kv.num_blocks, "block_size": kv.block_size,
+        info = self.engine.kv_transfer_info()
+        return {"role": self.spec.role, "free_blocks": info["free_blocks"], "num_blocks": info["num_blocks"],
+                "block_size": info["block_size"],
                 "running": len(self.requests), "pending_sends": len(self.sends), "pending_recvs": len(self.recvs),
                 "messages_sent": dict(self.mailbox.num_sent), "tensors_sent": self.num_sent_tensors,
-                "kv_numel_per_token": self.engine.kv.kv_numel_per_token(),
-                "kv_dtype": transfer.dtype_name(self._kv_dtype()), "engine": _engine_counters(self.engine)}
+                "kv_numel_per_token": info["kv_numel_per_token"],
+                "kv_dtype": transfer.dtype_name(info["kv_dtype"]), "engine": _engine_counters(self.engine)}
 
     def _kv_dtype(self) -> torch.dtype:
-        return self.engine.kv.kv_dtype
+        return self.engine.kv_transfer_info()["kv_dtype"]
 
     # ------------------------------------------------------------------ control
     def handle(self, message: dict) -> None:

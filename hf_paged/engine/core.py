@@ -27,7 +27,7 @@ from ..hf import KVOwner
 from ..sampling_params import SamplingParams
 from ..spec_decode import ProposalRequest, verify_greedy
 from ..worker import Chunk
-from ..worker.sampler import SampleRow, Sampler, SamplerOutput, logprobs_of
+from ..worker.sampler import SampleRow, Sampler, SamplerOutput
 from ..worker.sampling import SamplingState, sample_seed
 from .executor import Executor, ExecutorStep
 from .metrics import EngineMetrics, RequestMetrics
@@ -212,7 +212,8 @@ class EngineCore:
                 if any(samples.has_nan[start:start + n]):
                     raise RequestError(f"the model produced NaN logits for request {tracked.public_id!r}")
                 if tracked.params.prompt_logprobs is not None:
-                    self._note_prompt_logprobs(tracked, entry, logits[start:start + n])
+                    self.outputs.record_prompt_logprobs(tracked, entry.start, len(entry.token_ids),
+                                                        logits[start:start + n])
                 if not entry.samples:
                     continue
                 if samples.result is not None:
@@ -372,6 +373,13 @@ class EngineCore:
         groups, self.finished_groups = list(self.finished_groups.values()), {}
         return [seq for group in groups for seq in group.kept]
 
+    def raise_limits(self, max_num_seqs: int | None, max_model_len: int | None) -> None:
+        """Raise (never lower) the running-request and sequence-length limits, between steps."""
+        if max_num_seqs is not None:
+            self.scheduler.max_num_seqs = max(self.scheduler.max_num_seqs, max_num_seqs)
+        if max_model_len is not None:
+            self.max_model_len = max(self.max_model_len, max_model_len)
+
     def note_weights(self) -> None:
         """Check the weights before admitting: if they changed, the prefix cache is dropped and a new
         epoch begins; waiting requests that store nothing yet are salted with it (so they share the
@@ -530,18 +538,6 @@ class EngineCore:
                 self._note_preempted(child)
                 if child.num_failures >= MAX_STEP_FAILURES:
                     self.fail(child, exc)
-
-    def _note_prompt_logprobs(self, tracked: TrackedRequest, entry: ScheduledRequest, rows: torch.Tensor) -> None:
-        """Prompt logprobs from a chunk's logits rows (one per position): position p predicts token p + 1."""
-        request = tracked.request
-        targets = [(j, entry.start + j + 1) for j in range(len(entry.token_ids))
-                   if entry.start + j + 1 < request.num_prompt_tokens]
-        if not targets:
-            return
-        found = logprobs_of(rows[[j for j, _ in targets]], [request.token_ids[t] for _, t in targets],
-                            tracked.params.prompt_logprobs)
-        for (_, t), entry_lp in zip(targets, found):
-            tracked.group.prompt_logprobs[t] = entry_lp
 
 
 class _StepSamples:

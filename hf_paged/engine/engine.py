@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..config import PagedCacheConfig
+from ..config import EngineConfig, PagedCacheConfig
 from ..core import KVSequence, Scheduler
 from ..hf import KVOwner, PagedCache, check_model_supported, invalidate, weights_fingerprint
 from ..hf.support import check_paged_attention_supported
@@ -45,6 +45,7 @@ from .blocking import BlockingAPI
 from .executor import InProcessExecutor
 from .inputs import as_token_id_list, model_eos_token_ids
 from .intake import Intake
+from .kept_kv import KeptKVAPI
 from .kv_budget import default_num_blocks
 from .loop import StepLoop
 from .output_processor import OutputProcessor
@@ -61,8 +62,11 @@ class EngineClosedError(RuntimeError):
 
 
 
-class Engine(BlockingAPI):
+class Engine(BlockingAPI, KeptKVAPI):
     """Continuous-batching generation for a transformers causal LM.
+
+    Its keyword defaults are `config.EngineConfig`'s: `Engine(model, tokenizer, **EngineConfig(...).engine_kwargs())`
+    builds one from a config.
 
     Args:
         model: a decoder-only transformers model. It is switched to `attn_implementation="hf_paged"`
@@ -103,28 +107,28 @@ class Engine(BlockingAPI):
         model: torch.nn.Module,
         tokenizer=None,
         *,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_kv_bytes: int | None = None,
-        kv_cache_dtype: str = "auto",
-        kv_quant_scheme: str = "dynamic",
-        kv_quant_rotation: bool = True,
-        enable_prefix_caching: bool = True,
-        enable_hybrid_kv: bool = True,
-        cache_salt: str | None = None,
-        max_model_len: int | None = None,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens,
+        block_size: int = EngineConfig.block_size,
+        num_blocks: int | None = EngineConfig.num_blocks,
+        max_kv_bytes: int | None = EngineConfig.max_kv_bytes,
+        kv_cache_dtype: str = EngineConfig.kv_cache_dtype,
+        kv_quant_scheme: str = EngineConfig.kv_quant_scheme,
+        kv_quant_rotation: bool = EngineConfig.kv_quant_rotation,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
+        enable_hybrid_kv: bool = EngineConfig.enable_hybrid_kv,
+        cache_salt: str | None = EngineConfig.cache_salt,
+        max_model_len: int | None = EngineConfig.max_model_len,
         show_progress: bool | None = None,
         draft_model: torch.nn.Module | None = None,
-        speculative_method: str | None = None,
-        num_speculative_tokens: int | None = None,
-        prompt_lookup_min: int = 1,
-        prompt_lookup_max: int = 3,
+        speculative_method: str | None = EngineConfig.speculative_method,
+        num_speculative_tokens: int | None = EngineConfig.num_speculative_tokens,
+        prompt_lookup_min: int = EngineConfig.prompt_lookup_min,
+        prompt_lookup_max: int = EngineConfig.prompt_lookup_max,
         eos_token_ids: int | SequenceABC[int] | None = None,
-        cuda_graphs: bool | None = None,
-        cuda_graph_batch_sizes: SequenceABC[int] | None = None,
-        cuda_graph_max_seqlens: SequenceABC[int] | None = None,
+        cuda_graphs: bool | None = EngineConfig.cuda_graphs,
+        cuda_graph_batch_sizes: SequenceABC[int] | None = EngineConfig.cuda_graph_batch_sizes,
+        cuda_graph_max_seqlens: SequenceABC[int] | None = EngineConfig.cuda_graph_max_seqlens,
     ):
         check_model_supported(model.config)
         check_paged_attention_supported(model.config)  # packed steps need attention over the blocks
@@ -282,68 +286,47 @@ class Engine(BlockingAPI):
             if output is not None:
                 command[2].append(output)
 
-    # ------------------------------------------------------------------ kept sequences (retain_kv)
-    def kept_kv(self, request_id: str) -> list[KVSequence | None]:
-        """The sequences a finished `retain_kv` request left (one per sample, None where nothing was
-        kept), now owned by the caller: hand one to a new request (`kv_prefix`), or `free_kv` it."""
-        with self._lock:
-            return self.core.collect_kept(request_id)
-
-    def drop_unclaimed_kv(self) -> None:
-        """Free what was kept for requests whose caller never collected it (`kept_kv`), and what
-        `release_kv_later` queued. Only between calls: a caller still running may collect later."""
-        with self._lock:
-            self._apply_inbox()
-            self.kv.free(self.core.drop_finished_groups())
-
-    def holds(self, seq: KVSequence) -> bool:
-        """Whether `seq` is a kept sequence of this engine (not evicted, freed or handed on)."""
-        return self.kv.holds(seq)
-
-    def free_kv(self, seqs) -> None:
-        """Free kept sequences (those no longer held are skipped)."""
-        with self._lock:
-            self.kv.free(seqs)
-
-    def release_kv_later(self, seqs) -> None:
-        """`free_kv` from anywhere (a finaliser, another thread, inside a step): done before the next
-        step or command. Takes no lock."""
-        self.kv.release_later(seqs)
-
-    def trim_kv(self, seq: KVSequence, num_tokens: int) -> bool:
-        """Shorten a kept sequence to its first `num_tokens` tokens; returns whether it is still held
-        (a sliding group that released what is needed frees it instead)."""
-        with self._lock:
-            return self.kv.trim(seq, num_tokens)
-
-    def fork_kv(self, seq: KVSequence) -> KVSequence | None:
-        """A second kept sequence sharing `seq`'s blocks (copy-on-write), or None if `seq` is not held."""
-        with self._lock:
-            return self.kv.fork(seq)
-
-    def export_kv(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * kv_numel_per_token]
-        """The K/V of every token of a kept sequence, as one contiguous buffer (a copy: free `seq` when
-        done). Disaggregated serving sends it to the engine that decodes (`import_kv`)."""
-        with self._lock:
-            return self.kv.export(seq)
-
-    def import_kv(self, token_ids: SequenceABC[int], kv: torch.Tensor) -> KVSequence:
-        """Store the K/V another engine serving the same model computed for `token_ids` (its `export_kv`
-        buffer) in this engine's blocks, registering their prefix hashes, and keep the sequence: hand it
-        to a request as `kv_prefix` (with `resume_tokens` for what that engine already generated), or
-        `free_kv` it. Between steps only (the caller's thread steps this engine).
-
-        Raises:
-            ValueError: a buffer of the wrong size, or a cache that cannot move K/V; NoFreeBlocksError: a
-                fixed pool without room. Nothing is stored then.
-        """
-        with self._lock:
-            self._check_open()
-            self.core.note_weights()  # salted with the current weights epoch, as a request admitted now would be
-            return self.kv.import_tokens(list(token_ids), kv)
-
     def has_unfinished_requests(self) -> bool:
         return self.core.scheduler.has_unfinished or bool(self._inbox)
+
+    # ------------------------------------------------------------------ sizing (read-only, and one resize)
+    @property
+    def max_num_seqs(self) -> int:
+        """Most requests running at once (`resize` raises it)."""
+        return self.core.scheduler.max_num_seqs
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.kv.block_size
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the KV pool (`resize` grows it)."""
+        return self.kv.num_blocks
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        """Blocks of the pool held by live sequences: running requests and kept K/V (`kept_kv`)."""
+        return self.kv.num_used_blocks
+
+    def resize(self, max_num_seqs: int | None = None, max_model_len: int | None = None,
+               num_blocks: int | None = None) -> None:
+        """Raise the engine's limits to at least the given values, between steps; None leaves one as it
+        is. Never shrinks anything: running requests and kept K/V may rely on the current limits.
+
+        Raises:
+            ValueError: a value that is not a positive integer (`max_model_len` at least 2); nothing
+                changes then.
+        """
+        for name, value, low in (("max_num_seqs", max_num_seqs, 1), ("max_model_len", max_model_len, 2),
+                                 ("num_blocks", num_blocks, 1)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
+        with self._lock:  # not under a running step
+            self.core.raise_limits(max_num_seqs, max_model_len)
+            if num_blocks is not None:
+                self.kv.grow_to(num_blocks)  # never shrinks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, as after a weight change the automatic detection cannot see

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..sampling_params import SamplingParams
-from ..worker.sampler import SamplerOutput
+from ..worker.sampler import SamplerOutput, logprobs_of
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, RequestOutput, StreamEvent
 from .tracked import TrackedRequest
@@ -88,6 +90,19 @@ class OutputProcessor:
             for event in events[:-1] if finished else events:
                 tracked.inbox.put(event, None)
         return events
+
+    @staticmethod
+    def record_prompt_logprobs(tracked: TrackedRequest, start: int, num_tokens: int, rows: torch.Tensor) -> None:
+        """Prompt logprobs from a chunk's logits rows (`rows[j]` at position `start + j`, which predicts
+        token `start + j + 1`)."""
+        request = tracked.request
+        targets = [(j, start + j + 1) for j in range(num_tokens) if start + j + 1 < request.num_prompt_tokens]
+        if not targets:
+            return
+        found = logprobs_of(rows[[j for j, _ in targets]], [request.token_ids[t] for _, t in targets],
+                            tracked.params.prompt_logprobs)
+        for (_, t), entry_lp in zip(targets, found):
+            tracked.group.prompt_logprobs[t] = entry_lp
 
     def replay(self, tracked: TrackedRequest) -> None:
         """Rebuild a request's text state from its committed tokens (after a failed step). May raise."""

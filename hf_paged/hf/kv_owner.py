@@ -268,5 +268,6 @@ class KVOwner:
 
     def transfer_info(self) -> dict:
         """What a disaggregated peer must agree on before K/V move between two engines."""
-        return {"num_blocks": self.num_blocks, "block_size": self.block_size,
-                "kv_numel_per_token": self.kv_numel_per_token(), "kv_dtype": self.kv_dtype}
+        return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks + self.num_cached_blocks,
+                "block_size": self.block_size, "kv_numel_per_token": self.kv_numel_per_token(),
+                "kv_dtype": self.kv_dtype}

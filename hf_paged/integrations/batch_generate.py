@@ -541,9 +541,9 @@ def model_engine(model, engine_kwargs: dict, spec_kwargs: dict, eos_ids: list[in
                tuple(sorted((k, id(v) if isinstance(v, torch.nn.Module) else v) for k, v in spec_kwargs.items())),
                None if weight is None else (weight.dtype, weight.device))
         engine = slot.engine
-        if engine is not None and slot.key == key and not engine.scheduler.has_unfinished:
+        if engine is not None and slot.key == key and not engine.has_unfinished_requests():
             engine.drop_unclaimed_kv()
-            widen_engine(engine, engine_kwargs, kept_blocks=engine.cache.pool.num_used_blocks)  # idle: all kept
+            widen_engine(engine, engine_kwargs, kept_blocks=engine.num_used_kv_blocks)  # idle: all kept
             engine.eos_token_ids = list(eos_ids)
             engine.reset_metrics()
         else:
@@ -561,10 +561,9 @@ def widen_engine(engine: Engine, engine_kwargs: dict, kept_blocks: int = 0) -> N
     """Let `engine` take a call sized by `engine_kwargs`: its `max_num_seqs` and `max_model_len` widen,
     and its pool grows to the call's blocks plus `kept_blocks` (what returned caches hold in it, for an
     idle engine its blocks in use). Never shrinks anything."""
-    engine.scheduler.max_num_seqs = max(engine.scheduler.max_num_seqs, engine_kwargs["max_num_seqs"])
-    engine.max_model_len = max(engine.max_model_len, engine_kwargs["max_model_len"])
-    if engine_kwargs["num_blocks"] is not None:
-        engine.cache.grow_to(engine_kwargs["num_blocks"] + kept_blocks)
+    num_blocks = engine_kwargs["num_blocks"]
+    engine.resize(max_num_seqs=engine_kwargs["max_num_seqs"], max_model_len=engine_kwargs["max_model_len"],
+                  num_blocks=None if num_blocks is None else num_blocks + kept_blocks)
 
 
 def release(model) -> bool:

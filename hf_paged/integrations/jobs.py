@@ -215,7 +215,7 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
         counts: `written`, `errors`, `skipped` (already in the output) and `seconds`.
     """
     done = done_indices(output)
-    limit = max_in_flight or 4 * engine.scheduler.max_num_seqs
+    limit = max_in_flight or 4 * engine.max_num_seqs
     inbox = Inbox(wants_tokens=False)
     live: dict[str, tuple[int, str]] = {}  # request id -> (row index, prompt text)
     counts = dict(written=0, errors=0, skipped=0, tokens=0)

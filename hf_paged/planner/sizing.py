@@ -30,8 +30,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from ..config import (KV_CACHE_DTYPE_NAMES, KVCacheDtype, blocks_held, kv_bytes_per_token_layer, kv_cache_dtype,
-                      kv_layout, kv_scale_bytes_per_token_layer)
+from ..config import (DEFAULT_BLOCK_SIZE, KV_CACHE_DTYPE_NAMES, KVCacheDtype, blocks_held, kv_bytes_per_token_layer,
+                      kv_cache_dtype, kv_layout, kv_scale_bytes_per_token_layer)
 
 GB = 10**9
 GiB = 2**30
@@ -525,7 +525,7 @@ class Plan:
 
 
 def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: float = 0.9, seq_len: int,
-         block_size: int = 16, max_seq_len: int | None = None, weight_dtype: str = "bfloat16",
+         block_size: int = DEFAULT_BLOCK_SIZE, max_seq_len: int | None = None, weight_dtype: str = "bfloat16",
          kv_dtype: str = "bfloat16", kv_budget_bytes: int | None = None, step_tokens: int = 1) -> Plan:
     """How many KV blocks and sequences fit.
 

@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
     import os
     import sys
 
+    from ..config import EngineConfig
     from ..engine import Engine
     from ..model_source import ModelFromPath
 
@@ -520,9 +521,7 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
     for name, flag, default, help in Limits.flags():  # the request caps: one definition, in openai_protocol.Limits
         parser.add_argument(flag, dest=name, type=int, default=default, help=f"{help} (default {default})")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--num-blocks", type=int, default=None, help="a fixed KV pool (blocks of --block-size)")
-    parser.add_argument("--block-size", type=int, default=16)
+    EngineConfig.add_cli_args(parser, ["max_num_seqs", "num_blocks", "block_size"])  # one definition, too
     parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     parser.add_argument("--num-prefill", type=int, default=None,
                         help="serve over disaggregated workers: prefill processes (default 1 with --num-decode)")
@@ -548,8 +547,8 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
             parser.error(f"{args.model} has no tokenizer")
         client = disaggregated(factory, tokenizer=tokenizer, num_prefill=1 if args.num_prefill is None else
                                args.num_prefill, num_decode=1 if args.num_decode is None else args.num_decode,
-                               engine_kwargs=dict(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                                                  num_blocks=args.num_blocks, max_model_len=args.max_model_len))
+                               engine_kwargs=EngineConfig.from_cli_args(args, max_model_len=args.max_model_len)
+                               .engine_kwargs())
         limit = args.max_model_len or min(client.max_model_len or 2048, 8192)
     else:
         model, tokenizer = ModelFromPath(args.model)()
@@ -557,8 +556,8 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
             parser.error(f"{args.model} has no tokenizer")
         model = model.eval()
         limit = args.max_model_len or min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 8192)
-        engine = Engine(model, tokenizer, max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                        num_blocks=args.num_blocks, max_model_len=limit, show_progress=False)
+        engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args, max_model_len=limit).engine_kwargs(),
+                        show_progress=False)
         client = AsyncEngine(engine)
     name = args.served_model_name or ("default" if args.model == "default" else args.model)
     server = Server(client, tokenizer, name, api_key=args.api_key,

@@ -4,6 +4,9 @@ drop-in batched `generate`."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
+
 import pytest
 import torch
 
@@ -11,7 +14,7 @@ import hf_paged
 import hf_paged.integrations.batch_generate as batch_generate
 from hf_paged import Engine, SamplingParams
 from hf_paged.core import BlockManager, BlockPool
-from hf_paged.config import kv_layout
+from hf_paged.config import EngineConfig, kv_layout
 from hf_paged.hf.support import layer_windows_of
 from tiny_models import CONFIGS, STOCK_ATTN, VOCAB, left_padded_batch, stock_greedy, tiny_model
 from tiny_models import CharTokenizer as _CharTokenizer
@@ -244,6 +247,60 @@ def test_engine_config_errors():
         engine.add_request([5, 6], request_id="a")
     with pytest.raises(ValueError, match="one per prompt"):
         engine.generate([[5], [6]], [SamplingParams()] * 3)
+
+
+
+def test_engine_defaults_are_engine_configs():
+    """`Engine`'s keyword defaults are `EngineConfig`'s, and a config builds an engine."""
+    defaults = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
+    for name, value in EngineConfig().engine_kwargs().items():
+        assert defaults[name] == value, name
+    engine = Engine(tiny_model("llama", "hf_paged"), **EngineConfig(max_num_seqs=3, block_size=8).engine_kwargs())
+    assert (engine.max_num_seqs, engine.block_size) == (3, 8)
+
+
+def test_engine_config_command_line_flags():
+    parser = EngineConfig.add_cli_args(argparse.ArgumentParser())
+    assert EngineConfig.from_cli_args(parser.parse_args([])) == EngineConfig()
+    args = parser.parse_args(["--max-num-seqs", "3", "--block-size", "32", "--num-blocks", "7",
+                              "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--cuda-graph-batch-sizes", "1", "4"])
+    config = EngineConfig.from_cli_args(args, max_model_len=99)
+    assert config == EngineConfig(max_num_seqs=3, block_size=32, num_blocks=7, enable_prefix_caching=False,
+                                  kv_cache_dtype="fp8", cuda_graph_batch_sizes=(1, 4), max_model_len=99)
+    some = EngineConfig.add_cli_args(argparse.ArgumentParser(), ["max_num_seqs"])
+    assert vars(some.parse_args([])) == {"max_num_seqs": EngineConfig.max_num_seqs}
+    assert f"(default {EngineConfig.max_num_seqs})" in some.format_help()
+    with pytest.raises(ValueError, match="not EngineConfig fields"):
+        EngineConfig.add_cli_args(argparse.ArgumentParser(), ["max_num_seq"])
+
+
+def test_resize_grows_the_limits_and_never_shrinks_them():
+    model = tiny_model("llama", "hf_paged")
+    prompts = _prompts([5, 40, 17])
+    engine = Engine(model, max_num_seqs=2, num_blocks=8, block_size=4, max_model_len=64)
+    assert (engine.max_num_seqs, engine.num_kv_blocks, engine.num_used_kv_blocks) == (2, 8, 0)
+    engine.resize(max_num_seqs=1, max_model_len=10, num_blocks=4)  # smaller: all kept
+    assert (engine.max_num_seqs, engine.max_model_len, engine.num_kv_blocks) == (2, 64, 8)
+    engine.resize(max_num_seqs=3, num_blocks=40)
+    engine.resize(max_model_len=128)
+    assert (engine.max_num_seqs, engine.max_model_len, engine.num_kv_blocks) == (3, 128, 40)
+    for bad in (dict(max_num_seqs=0), dict(max_model_len=1), dict(num_blocks=True), dict(num_blocks=2.0)):
+        with pytest.raises(ValueError):
+            engine.resize(**bad)
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+    assert [o.token_ids for o in outs] == _stock("llama", prompts, max_new_tokens=NEW, min_new_tokens=NEW)
+    assert engine.num_used_kv_blocks == 0
+    _assert_no_leak(engine)
+
+
+def test_kv_transfer_info_describes_the_pool():
+    engine = Engine(tiny_model("llama", "hf_paged"), num_blocks=12, block_size=4, enable_hybrid_kv=False)
+    engine.generate([[3, 4]], SamplingParams(max_new_tokens=1))  # allocates every layer's K/V
+    engine.check_kv_transferable()
+    info = engine.kv_transfer_info()
+    assert {k: info[k] for k in ("num_blocks", "free_blocks", "block_size")} == dict(num_blocks=12, free_blocks=12,
+                                                                                      block_size=4)
+    assert info["kv_dtype"] == next(engine.model.parameters()).dtype and info["kv_numel_per_token"] > 0
 
 
 def test_a_forward_that_raises_loses_no_request():
