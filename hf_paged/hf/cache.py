@@ -47,8 +47,7 @@ from ..attention import dispatch
 from ..attention.interface import note_paged_step
 from ..attention.kv_quant import KVQuant, KVScales
 from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata, host_to_device
-from ..attention.torch_paged import gather_dense
-from ..attention.workspace import Workspace
+from ..attention.torch_paged import Workspace, gather_dense
 from ..config import PagedCacheConfig, kv_bytes_per_token_layer
 from ..core import BlockManager, BlockPool, KVSequence
 from ..config import kv_layout
