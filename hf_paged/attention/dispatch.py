@@ -1,9 +1,13 @@
-"""One dispatch for the attention kernels: Triton on GPU, the torch backend elsewhere.
+"""One dispatch for the attention kernels, in FlashInfer's shape: `plan` once per step, then
+`store_kv` and `paged_attention` (the `run`) per layer with that plan.
 
 Owns the choice of backend and nothing else: callers (the `interface` attention function, the cache
-adapter) call `store_kv` / `paged_attention` here and never import a backend directly. `backend()` picks the implementation for a device: Triton on CUDA tensors, torch elsewhere. Set
+adapter) call `plan` / `store_kv` / `paged_attention` here and never import a backend directly.
+`backend()` picks the implementation for a device: Triton on CUDA tensors, torch elsewhere. Set
 `HF_PAGED_BACKEND=torch` or `=triton` to force one; the tests force Triton on CPU tensors under
-Triton's interpreter (`TRITON_INTERPRET=1`).
+Triton's interpreter (`TRITON_INTERPRET=1`). The environment is read by `plan`, once per step (see
+`plan.StepPlan`); a call with a plan reads nothing per layer. A call without one (a kernel test, a
+caller with no step) plans for itself.
 
 The Triton modules are imported on first use only, so importing hf_paged never needs a GPU or
 compiles anything.
@@ -18,6 +22,8 @@ import torch
 from ..config import MAX_DECODE_QUERY_LEN
 from . import torch_paged
 from .kv_quant import rotate
+from .plan import StepPlan
+from .workspace import Workspace
 
 _BACKENDS = ("auto", "torch", "triton")
 
@@ -45,13 +51,21 @@ def _has_triton() -> bool:
     return True
 
 
+def plan(step, workspace: Workspace | None = None) -> StepPlan:
+    """The attention plan of `step` (a `metadata.StepMetadata`): its backend, read here once, and the
+    per-kind launch plans its layers fill in (see `plan.StepPlan`). `workspace`: the cache's scratch,
+    reused by every layer and step."""
+    return StepPlan(backend(step.seq_lens.device), workspace)
+
+
 def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
-                         quant_scheme: str | None = None) -> None:
+                         quant_scheme: str | None = None, backend_name: str | None = None) -> None:
     """Raise ValueError, before any forward, when paged attention on `device` cannot read a `kv_dtype`
     K/V cache under `dtype` queries. The torch backend reads any float or quantised cache (it casts or
     dequantises K/V to the query's dtype); the Triton kernels read the query's own dtype, fp16/bf16
-    under fp32 queries, and int8/fp8 payloads with symmetric scales (`quant_scheme` not "asymmetric")."""
-    if backend(device) != "triton":
+    under fp32 queries, and int8/fp8 payloads with symmetric scales (`quant_scheme` not "asymmetric").
+    `backend_name`: the step plan's backend (None: read it for `device`)."""
+    if (backend_name or backend(device)) != "triton":
         return
     from .triton.checks import can_read_kv_dtype, has_fp8e4nv
 
@@ -70,14 +84,15 @@ def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torc
         )
 
 
-def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots: bool = True, scales=None) -> None:
+def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots: bool = True, scales=None,
+             plan: StepPlan | None = None) -> None:
     """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`
     (`has_skipped_slots=False` promises there is no -1, which spares the torch path a check;
     `scales`, a quantised cache's `kv_quant.KVScales`, makes the write quantise, after rotating the
-    rows when its scheme rotates: see `kv_quant`)."""
+    rows when its scheme rotates: see `kv_quant`; `plan`: the step's, whose backend is used)."""
     if scales is not None and scales.quant.rotate:
         key, value = rotate(key), rotate(value)
-    if backend(key.device) == "triton":
+    if (plan.backend if plan is not None else backend(key.device)) == "triton":
         from .triton.store_kv import store_kv as triton_store_kv
 
         return triton_store_kv(key, value, key_cache, value_cache, slot_mapping, scales=scales)
@@ -86,11 +101,17 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
                     max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None, scales=None):
-    """Varlen causal attention over paged K/V. See `torch_paged.paged_attention` for the contract;
-    `plan` is the torch path's per-step `torch_paged.AttentionPlan` (ignored by Triton); `scales` a
-    quantised cache's `kv_quant.KVScales` (K/V are dequantised as they are read). Up to
-    `MAX_DECODE_QUERY_LEN` queries per sequence the split-KV decode kernel runs, above it the tiled
-    prefill kernel."""
+    """Varlen causal attention over paged K/V: FlashInfer's `run`. See `torch_paged.paged_attention`
+    for the contract.
+
+    Args:
+        plan: the step's `plan.StepPlan` (`dispatch.plan`): its backend, and the launch plan (tiling,
+            split count, tuned config, scratch) the first layer of this kind made, are used as
+            planned. None: this call plans for itself.
+        scales: a quantised cache's `kv_quant.KVScales` (K/V are dequantised as they are read).
+
+    Up to `MAX_DECODE_QUERY_LEN` queries per sequence the split-KV decode kernel runs, above it the
+    tiled prefill kernel."""
     # Rotated K/V (see `kv_quant`): the backends attend rotated queries over them as over any K/V,
     # and the output comes back rotated.
     rotated = scales is not None and scales.quant.rotate
@@ -101,16 +122,24 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
 
 def _attend(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
             sliding_window, softcap, sinks, plan, scales):
-    if backend(query.device) == "triton":
+    name = plan.backend if plan is not None else backend(query.device)
+    if name == "triton":
         if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
-            from .triton.decode import paged_decode as kernel
+            from .triton import decode
+
+            kernel = decode.paged_decode  # looked up per call: tests count the launches through it
         else:
-            from .triton.prefill import flash_prefill as kernel
+            from .triton import prefill
+
+            kernel = prefill.flash_prefill
+        launch_plan = None if plan is None else plan.triton_plan(query, key_cache, value_cache, block_tables,
+                                                                 max_seqlen_q, max_seqlen_k, sliding_window)
         return kernel(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
                       max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                      scales=scales)
+                      scales=scales, plan=launch_plan)
+    torch_plan = None if plan is None else plan.torch_plan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
+                                                           max_seqlen_k, key_cache.shape[1])
     return torch_paged.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=plan, scales=scales,
+        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=torch_plan, scales=scales,
     )
-

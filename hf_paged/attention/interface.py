@@ -9,7 +9,8 @@ Two paths, chosen per call:
 
 * **Paged** (a `PagedCache` step planned by `hf_paged.attach`'s hook): `key`/`value` are the layer's
   blocks, the step's `StepMetadata` arrives as the `paged_metadata` kwarg, and attention runs over
-  packed real tokens straight from the blocks (`attention.dispatch`).
+  packed real tokens straight from the blocks (`attention.dispatch`), with the step's attention
+  plan (`metadata.plan`, made once per step; see `plan.py`).
 * **Dense** (no cache, `DynamicCache`, training): exactly transformers' own sdpa, or the model's own
   eager function where sdpa lacks a feature (softcap, sinks, attention weights), so outputs and
   gradients match stock bit for bit.
@@ -120,6 +121,8 @@ def paged_attention_forward(
                 f"for a window of {kept} tokens only (the model config's layer_types / sliding_window disagree with "
                 "its attention)"
             )
+        if meta.plan is None:  # metadata no cache began (a caller's own step): plan it once, here
+            meta.plan = dispatch.plan(meta)
         scales = meta.kv_scales.get(layer_idx)
         if scales is None and key.element_size() == 1:
             raise ValueError(
@@ -139,7 +142,7 @@ def paged_attention_forward(
             sliding_window=sliding_window,
             softcap=softcap,
             sinks=s_aux,
-            plan=meta.attention_plan(key.shape[1], group) if dispatch.backend(query.device) == "torch" else None,
+            plan=meta.plan,
             scales=scales,
         )
         return meta.unpack(out), None

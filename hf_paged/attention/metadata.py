@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .torch_paged import AttentionPlan
-
 PAGED = "paged"  # attention reads K/V straight from the blocks (the "hf_paged" attention)
 DENSE = "dense"  # update() returns gathered [batch, kv_heads, kv_len, head_dim] K/V (sdpa/eager)
 
@@ -86,8 +84,9 @@ class StepMetadata:
     # one storage slot's payload tensor, so the tensor cannot name the layer.
     kv_scales: dict = field(default_factory=dict)
     dense_index: dict = field(default_factory=dict)  # DENSE, per group: (slots, valid), [batch, num_columns]
-    workspace: object = None  # the cache's `torch_paged.Workspace`, for the torch path's gathers
-    _plans: dict = field(default_factory=dict, repr=False)
+    # The step's attention plan (`plan.StepPlan`: backend, launch plans, scratch), made by the cache
+    # when the step begins (`dispatch.plan`); None until then.
+    plan: object = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -95,13 +94,12 @@ class StepMetadata:
 
     def reset_forward_state(self) -> None:
         """Forget what one forward recorded on this object (layers done, quantised layers' scales, the
-        per-step plans and gather indices), so that a step whose tensors are rewritten in place (a
-        CUDA graph's static inputs) can run forward again."""
+        gather indices), so that a step whose tensors are rewritten in place (a CUDA graph's static
+        inputs) can run forward again. The attention `plan` is the one its latest `begin_step` made."""
         self.active_layer = None
         self.layers_done.clear()
         self.kv_scales.clear()
         self.dense_index.clear()
-        self._plans.clear()
 
     def group_of(self, layer_idx: int | None) -> int:
         """The KV group of layer `layer_idx` (0 for a one-group step or an unknown layer)."""
@@ -114,16 +112,6 @@ class StepMetadata:
 
     def slot_mapping_of(self, group: int) -> torch.Tensor:  # [num_tokens] int64
         return self.group_slot_mapping[group] if self.group_slot_mapping else self.slot_mapping
-
-    def attention_plan(self, block_size: int, group: int = 0):
-        """The torch path's per-step indices and masks (`torch_paged.AttentionPlan`) for one KV
-        group, built on first use and shared by every layer of that group in this step."""
-        key = (block_size, group)
-        if key not in self._plans:
-            self._plans[key] = AttentionPlan(self.block_tables_of(group), self.seq_lens, self.cu_seqlens_q,
-                                             self.max_seqlen_q, self.max_seqlen_k, block_size,
-                                             workspace=self.workspace)
-        return self._plans[key]
 
     def pack(self, states: torch.Tensor) -> torch.Tensor:
         """[batch, heads, q_len, dim] (transformers' layout) -> [num_tokens, heads, dim] real tokens."""

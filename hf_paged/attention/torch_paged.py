@@ -1,9 +1,10 @@
 """The torch backend of paged attention: the CPU path, fast enough to serve.
 
 Owns the torch implementations of the kernel contracts (`store_kv`, `paged_attention`), the
-per-step `AttentionPlan` that every layer shares, the reusable gather `Workspace`, and the dense
-gather for non-paged attention implementations (`gather_dense`). It is vectorised over sequences
-and tokens and reads K/V through the block table exactly as the Triton kernels do. It is *not* the
+per-step `AttentionPlan` that every layer of a KV group shares (its gathers take the cache's
+`workspace.Workspace` buffers; re-exported here), and the dense gather for non-paged attention
+implementations (`gather_dense`). It is vectorised over sequences and tokens and reads K/V through
+the block table exactly as the Triton kernels do. It is *not* the
 test oracle: that is `reference.py`, deliberately naive, which this module must never call. It
 knows nothing of requests, caches or transformers.
 """
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from ..config import MAX_DECODE_QUERY_LEN
 from .kv_quant import KVScales, dequantize, dynamic_scales, quantize, rotate
+from .workspace import Workspace  # noqa: F401  (re-exported: the torch path's scratch)
 
 
 def store_kv(
@@ -112,28 +114,6 @@ def gather_dense(
 # A bucket of short-query sequences is closed when the next one is this much shorter than its
 # longest: padded K/V work stays within about this factor of the real work.
 _BUCKET_RATIO = 1.5
-
-
-class Workspace:
-    """Reusable scratch buffers for the gathered K/V of the torch path.
-
-    A fresh multi-megabyte CPU tensor is served by mmap and page-faults on first touch, which costs
-    several times the gather itself; every layer of every step would pay it. One buffer per name is
-    kept and regrown (by 25%) only when a step needs more."""
-
-    def __init__(self):
-        self._buffers: dict[tuple, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = 1
-        for n in shape:
-            numel *= n
-        key = (name, dtype, device)
-        buf = self._buffers.get(key)
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(int(numel * 1.25) + 1, dtype=dtype, device=device)
-            self._buffers[key] = buf
-        return buf[:numel].view(shape)
 
 
 class _Group:

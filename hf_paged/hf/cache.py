@@ -223,7 +223,7 @@ class PagedCache(Cache):
         self._step: StepMetadata | None = None
         self._seq_ids = itertools.count(1)  # next() is atomic: engines create sequences from any thread
         self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)
-        self._workspace = Workspace()  # scratch for the torch attention path, reused across layers and steps
+        self._workspace = Workspace()  # attention scratch (gathers, split-K partials), reused across layers and steps
 
     # ------------------------------------------------------------------ transformers' Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -277,11 +277,11 @@ class PagedCache(Cache):
         if not layer.is_initialized:
             if step.mode == PAGED and self.kv_dtype is not None:  # an engine step: first sight of the dtype
                 dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device,
-                                                  self.cache_config.kv_quant_scheme)
+                                              self.cache_config.kv_quant_scheme, step.plan.backend)
             layer.lazy_initialization(key_states, value_states)
         slot_mapping = step.slot_mapping_of(layer.group).to(layer.device)
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
-                          step.has_skipped_slots, scales=layer.scales)
+                          step.has_skipped_slots, scales=layer.scales, plan=step.plan)
         if step.mode == PAGED:
             if layer.scales is not None:  # the attention finds a quantised layer's scales by its layer index
                 step.kv_scales[layer_idx] = layer.scales
@@ -407,7 +407,7 @@ class PagedCache(Cache):
         except BaseException:
             self.pool.reset_prefix_cache()  # the blocks just filled were hashed but will never be written
             raise
-        step.workspace = self._workspace
+        step.plan = dispatch.plan(step, self._workspace)  # the backend, read once per step
         self._step = step
         note_paged_step(step)
         return step
@@ -425,7 +425,7 @@ class PagedCache(Cache):
             self._step = None
             raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
         self._apply_copies(step.copies)
-        step.workspace = self._workspace
+        step.plan = dispatch.plan(step, self._workspace)  # the backend, read once per step
         self._step = step
         note_paged_step(step)
 

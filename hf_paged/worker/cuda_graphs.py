@@ -33,6 +33,10 @@ Memory. Graphs share one memory pool (`torch.cuda.graph_pool_handle()`); the gra
 `max_seqlen_k` bucket are captured together the first time a step needs it, largest batch first,
 so the smaller ones fit in the memory the largest one left in the pool; each capture follows one
 eager warm-up on all-padding inputs (Triton compiles and autotunes there, never during a capture).
+The step begins inside the captured forward, so the warm-up and the capture each plan its
+attention (`attention.plan`): the warm-up sizes the cache's workspace for the bucket's split-K
+scratch, the capture only takes views of it, and the graph's metadata keeps the captured plan (and
+so that memory) for as long as the graph lives.
 Graphs are dropped and recaptured when the memory they read moved: the KV pool grew, or the
 weights were replaced (seen when the cache's weights epoch moves).
 

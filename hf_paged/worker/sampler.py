@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..attention.metadata import host_to_device
-from ..attention.torch_paged import Workspace
+from ..attention.workspace import Workspace
 from ..sampling_params import FP32_MAX
 from .sampling import SamplingState, uniform
 

@@ -28,14 +28,19 @@ query's dtype (what `kv_quant.dequantize` computes), before the dots. No dequant
 cache is ever written.
 
 Launch configuration: BLOCK_N and num_warps never change the result, so they are tunable; the
-launcher takes a winner recorded for the GPU and shape, or searches when HF_PAGED_AUTOTUNE=1, or
-its heuristic (see `tuning` and `decode_configs`). GROUP, Q_PER_TILE, BLOCK_M and BLOCK_D/DV are
-what the shapes dictate and are never tuned.
+plan takes a winner recorded for the GPU and shape, or searches when HF_PAGED_AUTOTUNE=1, or the
+heuristic (see `tuning` and `decode_configs`). GROUP, Q_PER_TILE, BLOCK_M and BLOCK_D/DV are what
+the shapes dictate and are never tuned.
+
+Plan and run: `plan_decode` fixes the query tiling, the split count, the config and the split-K
+scratch once per step and layer kind (the partials are views of the cache's workspace, so a CUDA
+graph's bucket always writes the same memory); `paged_decode(..., plan=)` only launches.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -44,6 +49,7 @@ import triton.language as tl
 from .checks import check_attention_inputs, kv_scale_args
 from .tuning import (
     DEFAULT_SHARED_MEMORY,
+    NEEDS_SEARCH,
     TuningKey,
     check_config,
     choose_config,
@@ -51,6 +57,7 @@ from .tuning import (
     dtype_name,
     dtype_size,
     keep_fitting,
+    plan_config,
     shared_memory_limit,
     tile_misfit,
 )
@@ -394,6 +401,90 @@ def default_num_splits(
     return max(1, min(wanted, useful, _MAX_SPLITS))
 
 
+@dataclass
+class DecodePlan:
+    """Everything `paged_decode` launches with besides the tensors: chosen once per step and layer
+    kind (`plan_decode`), shared by every layer of that kind (FlashInfer's `plan()` result).
+
+    Attributes:
+        key: the launch's `TuningKey`.
+        shape: (num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size),
+            what the plan was sized for; a launch with other shapes is refused.
+        q_per_tile, block_m, num_q_tiles: the query tiling (`_query_tiling`).
+        num_splits: splits of the key axis.
+        config: the launch configuration (BLOCK_N, num_warps, num_stages); None until the first
+            launch when an autotune search is pending (it needs real arguments), then its winner.
+        partial_out: [num_splits, num_tokens, num_q_heads, head_dim_v] fp32, or None (one split).
+        partial_lse: [num_splits, num_tokens, num_q_heads] fp32 (log2), or None (one split).
+    """
+
+    key: TuningKey
+    shape: tuple[int, ...]
+    q_per_tile: int
+    block_m: int
+    num_q_tiles: int
+    num_splits: int
+    config: triton.Config | None
+    partial_out: torch.Tensor | None = None
+    partial_lse: torch.Tensor | None = None
+
+
+def plan_decode(
+    *,
+    num_tokens: int,
+    num_seqs: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+    block_size: int,
+    dtype: torch.dtype,  # the query's
+    kv_dtype: torch.dtype,  # the cache's
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    device: torch.device,
+    sliding_window: int | None = None,
+    num_splits: int | None = None,
+    config: triton.Config | None = None,
+    workspace=None,  # a `workspace.Workspace` for the split-K partials; None allocates them
+) -> DecodePlan:
+    """Plan `paged_decode` launches of one shape: the query tiling, the split count
+    (`default_num_splits` unless given), the launch configuration (given, settled, recorded or the
+    heuristic; `tuning.plan_config`) and the split-K scratch (views of `workspace` when given, so
+    every layer and every step of the same bucket writes the same memory). Host ints only: no device
+    sync, nothing read from the tensors, so a CUDA graph captures its launches as planned."""
+    if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
+        raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
+    if config is not None:
+        check_config("paged_decode", config, ("BLOCK_N",))
+    max_seqlen_q = max(max_seqlen_q, 1)
+    group = num_q_heads // num_kv_heads
+    block_wide = max(_block_d(head_dim), _block_d(head_dim_v))  # tiles are sized for the wider of K and V
+    q_per_tile, block_m = _query_tiling(max_seqlen_q, group, block_wide)
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, max(head_dim, head_dim_v),
+                                        max_seqlen_q, max_seqlen_k, device, sliding_window)
+    num_splits = int(num_splits)
+    key = tuning_key(device, head_dim, head_dim_v, group, block_size, dtype, kv_dtype, max_seqlen_q)
+    if config is None:
+        config = plan_config(key, lambda: decode_configs(key, shared_memory_limit(device)), device)
+        if config is not NEEDS_SEARCH:
+            config = config or heuristic_config(key)
+        else:
+            config = None  # the first launch searches on its arguments
+    plan = DecodePlan(key, (num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size),
+                      q_per_tile, block_m, triton.cdiv(max_seqlen_q, q_per_tile), num_splits, config)
+    if num_splits > 1 and num_tokens > 0:
+        partial = (num_splits, num_tokens, num_q_heads)
+        if workspace is None:
+            plan.partial_out = torch.empty(*partial, head_dim_v, device=device, dtype=torch.float32)
+            plan.partial_lse = torch.empty(*partial, device=device, dtype=torch.float32)
+        else:
+            plan.partial_out = workspace.get("decode_partial_out", (*partial, head_dim_v), torch.float32, device)
+            plan.partial_lse = workspace.get("decode_partial_lse", partial, torch.float32, device)
+    return plan
+
+
 def paged_decode(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -410,6 +501,7 @@ def paged_decode(
     num_splits: int | None = None,
     scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
     config: triton.Config | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's few new queries over its paged K/V, split along the keys.
 
@@ -437,40 +529,46 @@ def paged_decode(
             "asymmetric" scheme is refused.
         config: a `triton.Config` of `BLOCK_N`, num_warps and num_stages to launch with instead of the
             recorded, tuned or heuristic one (`tuning.choose_config`); any such config gives the same result.
+        plan: a `plan_decode` result for these shapes (a step's layers share one): its tiling, split
+            count, config and scratch are used as they are, so the launch computes, looks up and
+            allocates nothing but its output; `num_splits` and `config` must then be None. Without
+            one, the call plans for itself.
 
     Returns:
         `[num_tokens, num_q_heads, head_dim_v]` in query's dtype.
     """
     shapes = check_attention_inputs("paged_decode", query, key_cache, value_cache, block_tables, seq_lens,
                                     cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
-    if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
-        raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
-    if config is not None:
-        check_config("paged_decode", config, ("BLOCK_N",))
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
+    is_empty = num_tokens == 0 or max_seqlen_k == 0 or num_seqs == 0
+    if plan is None and is_empty:  # nothing to launch: check the arguments, plan nothing
+        if num_splits is not None and (int(num_splits) != num_splits or num_splits < 1):
+            raise ValueError(f"paged_decode: num_splits must be a positive int or None, got {num_splits}")
+        if config is not None:
+            check_config("paged_decode", config, ("BLOCK_N",))
+    elif plan is None:
+        plan = plan_decode(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads,
+                           num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, block_size=block_size,
+                           dtype=query.dtype, kv_dtype=key_cache.dtype, max_seqlen_q=max_seqlen_q,
+                           max_seqlen_k=max_seqlen_k, device=query.device, sliding_window=sliding_window,
+                           num_splits=num_splits, config=config)
+    elif num_splits is not None or config is not None:
+        raise ValueError("paged_decode: pass num_splits and config to plan_decode, not with a plan")
+    elif plan.shape != (num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size):
+        raise ValueError(f"paged_decode: the plan was made for (num_tokens, num_seqs, num_q_heads, num_kv_heads, "
+                         f"head_dim, head_dim_v, block_size) = {plan.shape}, not these inputs")
 
     out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
-    if num_tokens == 0 or max_seqlen_k == 0 or num_seqs == 0:
+    if is_empty:
         return out.zero_()
 
     group = num_q_heads // num_kv_heads
     block_d, block_dv = _block_d(head_dim), _block_d(head_dim_v)
-    block_wide = max(block_d, block_dv)  # tiles are sized for the wider of the K and V rows
-    q_per_tile, block_m = _query_tiling(max_seqlen_q, group, block_wide)
-    num_q_tiles = triton.cdiv(max_seqlen_q, q_per_tile)
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, max(head_dim, head_dim_v),
-                                        max_seqlen_q, max_seqlen_k, query.device, sliding_window)
-    num_splits = int(num_splits)
-
-    if num_splits == 1:
-        partial_out = partial_lse = out  # unused
-    else:
-        partial_out = torch.empty(num_splits, num_tokens, num_q_heads, head_dim_v, device=query.device,
-                                  dtype=torch.float32)
-        partial_lse = torch.empty(num_splits, num_tokens, num_q_heads, device=query.device, dtype=torch.float32)
+    q_per_tile, block_m, num_q_tiles, num_splits = plan.q_per_tile, plan.block_m, plan.num_q_tiles, plan.num_splits
+    partial_out = plan.partial_out if num_splits > 1 else out  # unused with one split
+    partial_lse = plan.partial_lse if num_splits > 1 else out
     sinks_arg = sinks if sinks is not None else out  # unused without HAS_SINKS
     stride_sinks = sinks.stride(0) if sinks is not None else 0
     key_scales, value_scales, scale_strides = kv_scale_args(scales, num_kv_heads, out)
@@ -511,11 +609,11 @@ def paged_decode(
             num_stages=config.num_stages,
         )
 
-    if config is None:
-        key = tuning_key(query.device, head_dim, head_dim_v, group, block_size, query.dtype, key_cache.dtype,
-                         max_seqlen_q)
-        config = choose_config(key, lambda: decode_configs(key, shared_memory_limit(query.device)), launch,
-                               query.device) or heuristic_config(key)
+    config = plan.config
+    if config is None:  # an autotune search was pending at planning: run it on these arguments, once
+        key = plan.key
+        config = plan.config = choose_config(key, lambda: decode_configs(key, shared_memory_limit(query.device)),
+                                             launch, query.device) or heuristic_config(key)
     launch(config)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](

@@ -45,6 +45,7 @@ the GPU and shape, or searches when HF_PAGED_AUTOTUNE=1, or its heuristic (see `
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -53,6 +54,7 @@ import triton.language as tl
 from .checks import check_attention_inputs, kv_scale_args
 from .tuning import (
     DEFAULT_SHARED_MEMORY,
+    NEEDS_SEARCH,
     TuningKey,
     check_config,
     choose_config,
@@ -60,6 +62,7 @@ from .tuning import (
     dtype_name,
     dtype_size,
     keep_fitting,
+    plan_config,
     shared_memory_limit,
     tile_misfit,
 )
@@ -315,6 +318,67 @@ def prefill_configs(key: TuningKey, shared_memory: int = DEFAULT_SHARED_MEMORY) 
     return keep_fitting(heuristic_config(key), configs, misfit)
 
 
+@dataclass
+class PrefillPlan:
+    """Everything `flash_prefill` launches with besides the tensors, chosen once per step and layer
+    kind (`plan_prefill`) and shared by every layer of that kind.
+
+    Attributes:
+        key: the launch's `TuningKey`.
+        shape: (num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size) it was planned for.
+        max_seqlen_q: the step's longest query run (it caps the query tile).
+        config: the recorded or tuned configuration, None for the heuristic tiles below, or None
+            with `is_search_pending` until the first launch has searched.
+        tiles: (BLOCK_Q, BLOCK_M, BLOCK_N, num_warps, num_stages) to launch with; None while a
+            search is pending.
+    """
+
+    key: TuningKey
+    shape: tuple[int, ...]
+    max_seqlen_q: int
+    config: triton.Config | None
+    tiles: tuple[int, int, int, int, int] | None
+    is_search_pending: bool = False
+
+
+def _tiles_of(config: triton.Config, group: int, max_seqlen_q: int) -> tuple[int, int, int, int, int]:
+    block_q, block_m = _query_tile(config.kwargs["ROWS"], group, max_seqlen_q)
+    return block_q, block_m, config.kwargs["BLOCK_N"], config.num_warps, config.num_stages
+
+
+def plan_prefill(
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+    block_size: int,
+    dtype: torch.dtype,  # the query's
+    kv_dtype: torch.dtype,  # the cache's
+    max_seqlen_q: int,
+    device: torch.device,
+    config: triton.Config | None = None,
+) -> PrefillPlan:
+    """Plan `flash_prefill` launches of one shape: the launch configuration (given, settled,
+    recorded, else the heuristic's `_pick_tiles`; `tuning.plan_config`) and the query tiles it gives
+    for this step's `max_seqlen_q`. Host ints only."""
+    if config is not None:
+        check_config("flash_prefill", config, ("BLOCK_N", "ROWS"))
+    group = num_q_heads // num_kv_heads
+    key = tuning_key(device, head_dim, head_dim_v, group, block_size, dtype, kv_dtype)
+    shape = (num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size)
+    if config is None:
+        config = plan_config(key, lambda: prefill_configs(key, shared_memory_limit(device)), device)
+        if config is NEEDS_SEARCH:  # the first launch searches on its arguments
+            return PrefillPlan(key, shape, max_seqlen_q, None, None, is_search_pending=True)
+    if config is None:  # the heuristic, through `_pick_tiles` (which tests may narrow)
+        block_q, block_m, block_n, _, num_warps = _pick_tiles(max(head_dim, head_dim_v), group, max_seqlen_q)
+        tiles = (block_q, block_m, block_n, num_warps, PREFILL_NUM_STAGES)
+    else:
+        tiles = _tiles_of(config, group, max_seqlen_q)
+    return PrefillPlan(key, shape, max_seqlen_q, config, tiles)
+
+
 def flash_prefill(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -330,6 +394,7 @@ def flash_prefill(
     sinks: torch.Tensor | None = None,  # [num_q_heads]
     scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
     config: triton.Config | None = None,
+    plan: PrefillPlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Varlen causal flash attention over the paged KV cache; see `reference.paged_attention`.
 
@@ -355,20 +420,35 @@ def flash_prefill(
         config: a `triton.Config` of `BLOCK_N`, `ROWS`, num_warps and num_stages to launch with instead
             of the recorded, tuned or heuristic one (`tuning.choose_config`); any such config gives the
             same result.
+        plan: a `plan_prefill` result for these shapes and this `max_seqlen_q` (a step's layers share
+            one): its tiles are launched as they are, nothing is looked up; `config` must then be None.
+            Without one, the call plans for itself.
 
     Returns:
         `[num_tokens, num_q_heads, head_dim_v]` in `query`'s dtype.
     """
     shapes = check_attention_inputs("flash_prefill", query, key_cache, value_cache, block_tables, seq_lens,
                                     cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
-    if config is not None:
-        check_config("flash_prefill", config, ("BLOCK_N", "ROWS"))
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
+    is_empty = num_tokens == 0 or num_seqs == 0
+    if plan is None and is_empty:
+        if config is not None:
+            check_config("flash_prefill", config, ("BLOCK_N", "ROWS"))
+    elif plan is None:
+        plan = plan_prefill(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            head_dim_v=head_dim_v, block_size=block_size, dtype=query.dtype,
+                            kv_dtype=key_cache.dtype, max_seqlen_q=max_seqlen_q, device=query.device, config=config)
+    elif config is not None:
+        raise ValueError("flash_prefill: pass config to plan_prefill, not with a plan")
+    elif plan.shape != (num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size) \
+            or plan.max_seqlen_q != max_seqlen_q:
+        raise ValueError(f"flash_prefill: the plan was made for (num_q_heads, num_kv_heads, head_dim, head_dim_v, "
+                         f"block_size) = {plan.shape} and max_seqlen_q={plan.max_seqlen_q}, not these inputs")
 
     out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
-    if num_tokens == 0 or num_seqs == 0:
+    if is_empty:
         return out.zero_()
 
     group = num_q_heads // num_kv_heads
@@ -399,16 +479,12 @@ def flash_prefill(
         )
 
     def launch(config: triton.Config) -> None:
-        block_q, block_m = _query_tile(config.kwargs["ROWS"], group, max_seqlen_q)
-        run(block_q, block_m, config.kwargs["BLOCK_N"], config.num_warps, config.num_stages)
+        run(*_tiles_of(config, group, max_seqlen_q))
 
-    if config is None:
-        key = tuning_key(query.device, head_dim, head_dim_v, group, block_size, query.dtype, key_cache.dtype)
-        config = choose_config(key, lambda: prefill_configs(key, shared_memory_limit(query.device)), launch,
-                               query.device)
-    if config is None:  # the heuristic, through `_pick_tiles` (which tests may narrow)
-        block_q, block_m, block_n, _, num_warps = _pick_tiles(max(head_dim, head_dim_v), group, max_seqlen_q)
-        run(block_q, block_m, block_n, num_warps, PREFILL_NUM_STAGES)
-    else:
-        launch(config)
+    if plan.is_search_pending:  # an autotune search was pending at planning: run it on these arguments, once
+        key = plan.key
+        plan.config = choose_config(key, lambda: prefill_configs(key, shared_memory_limit(query.device)), launch,
+                                    query.device) or heuristic_config(key)
+        plan.tiles, plan.is_search_pending = _tiles_of(plan.config, group, max_seqlen_q), False
+    run(*plan.tiles)
     return out

@@ -13,8 +13,11 @@ GPU name and the shape facts that move the best tile):
        arguments (a launch only writes its output, so running it again is harmless), keep the fastest
     4. otherwise                                    -> None: the launcher's heuristic, as before
 
-Once a key is settled a launch costs two dict lookups more than before (the memoised key, its
-config): no timing, no host sync, no allocation, so it may be captured in a CUDA graph. A search
+The choice is made when a step is planned (`plan_config`, from `decode.plan_decode` /
+`prefill.plan_prefill`, once per step and layer kind), not per launch: a launch with a plan looks
+nothing up, times nothing, syncs nothing and allocates nothing but its output, so it may be
+captured in a CUDA graph. Only a search needs real arguments: the plan then leaves the config open
+and its first launch searches (`choose_config`) and records the winner in the plan. A search
 never starts inside a graph capture or under Triton's interpreter (TRITON_INTERPRET=1): such a call
 takes the heuristic, and a capture leaves the key unsettled for the next eager call.
 
@@ -330,13 +333,30 @@ def choose_config(
             caller launches the returned config itself).
         device: the tensors' device.
     """
-    config = _SETTLED.get(key, _UNSETTLED)
-    if config is _UNSETTLED:
-        return _settle(key, candidates, launch, device)
+    config = plan_config(key, candidates, device)
+    if config is NEEDS_SEARCH:
+        result = search(key, candidates(), launch)
+        _SEARCHED[key] = result
+        _SETTLED[key] = config = result.winner
     return config
 
 
-def _settle(key, candidates, launch, device) -> triton.Config | None:
+# What `plan_config` answers for a key that only a search on real arguments can settle.
+NEEDS_SEARCH = object()
+
+
+def plan_config(
+    key: TuningKey,
+    candidates: Callable[[], Sequence[triton.Config]],
+    device: torch.device,
+) -> triton.Config | None | object:
+    """`choose_config` without launching anything, for a step's plan (which has no arguments yet):
+    the settled, recorded or heuristic (None) config, or NEEDS_SEARCH when HF_PAGED_AUTOTUNE asks
+    for a search that this device can run now (the first launch then searches on its own arguments,
+    through `choose_config`)."""
+    config = _SETTLED.get(key, _UNSETTLED)
+    if config is not _UNSETTLED:
+        return config
     mode = autotune_mode()
     if mode != "force":
         recorded = recorded_winners().get(key)
@@ -351,10 +371,7 @@ def _settle(key, candidates, launch, device) -> triton.Config | None:
             return None  # a capture cannot time anything: try again on the next eager call
         _SETTLED[key] = None
         return None
-    result = search(key, candidates(), launch)
-    _SEARCHED[key] = result
-    _SETTLED[key] = result.winner
-    return result.winner
+    return NEEDS_SEARCH
 
 
 def benchmark(fn: Callable[[], None]) -> float:

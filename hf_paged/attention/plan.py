@@ -1,0 +1,119 @@
+"""`StepPlan`: the attention work of one forward step, planned once and run by every layer.
+
+FlashInfer splits attention into `plan()`, host-side and once per batch, and `run()`, once per layer;
+vLLM v1 builds its `AttentionMetadata` once per step and each layer's backend impl only runs. Ours:
+
+    dispatch.plan(step, workspace)   once per step (the cache's `begin_step` / `plan_step`):
+        the backend ("torch" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
+        (once per step, not per engine: a test or a server that switches it between steps is
+        obeyed from the next step on), and the cache's scratch `Workspace`
+    dispatch.store_kv(..., plan=)    per layer: writes with the plan's backend
+    dispatch.paged_attention(..., plan=)   per layer, the `run()`: the plan's kernel, tiling,
+        split count, tuned config and scratch, as planned
+
+What a step's layers share depends on each layer's shapes (head counts, head dims, dtypes, block
+size, sliding window), which FlashInfer's `plan()` takes as arguments. Ours reads them off the first
+layer of each kind that runs and memoises the result on the plan (`triton_plan`, `torch_plan`):
+later layers of the kind, usually all of them, do a dictionary lookup and launch. A model has one or
+two kinds (full and sliding layers).
+
+    per kind, Triton decode   `triton.decode.DecodePlan`: query tiling, split count, config, and the
+                              split-K partials [num_splits, num_tokens, num_q_heads, head_dim_v] and
+                              log-sum-exps, views of the cache's `Workspace`
+    per kind, Triton prefill  `triton.prefill.PrefillPlan`: config and tiles
+    per KV group, torch       `torch_paged.AttentionPlan`: gather indices and masks, whose gathers
+                              take the same `Workspace`'s buffers
+
+CUDA graphs: a decode graph's step begins inside the captured forward, so its plan is made by the
+eager warm-up on the same shapes (which sizes the workspace) and again at capture, where it only
+takes views (a workspace refuses to grow during a capture). The graph's metadata keeps the captured
+plan, and with it the scratch its kernels write, for as long as the graph lives.
+
+Owns the per-step derived attention state (nothing else holds it); it knows no request and no
+transformers object.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MAX_DECODE_QUERY_LEN
+from .torch_paged import AttentionPlan
+from .workspace import Workspace
+
+
+class StepPlan:
+    """The attention plan of one step (see the module docstring). Build it with `dispatch.plan`.
+
+    Attributes:
+        backend: "torch" or "triton", fixed for the step.
+        workspace: the cache's scratch buffers (None: every launch plan allocates its own).
+        num_layer_plans: launch plans made so far: one per layer kind (Triton) or KV group (torch),
+            never one per layer.
+    """
+
+    def __init__(self, backend: str, workspace: Workspace | None = None):
+        self.backend = backend
+        self.workspace = workspace
+        self._triton: dict[tuple, object] = {}  # layer kind -> DecodePlan / PrefillPlan
+        self._torch: list[tuple[torch.Tensor, int, AttentionPlan]] = []  # (block_tables, block_size, plan)
+        self.num_layer_plans = 0
+
+    @property
+    def launch_plans(self) -> list:
+        """The Triton launch plans made so far, one per layer kind."""
+        return list(self._triton.values())
+
+    def triton_plan(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        sliding_window: int | None,
+    ):
+        """The Triton launch plan (`DecodePlan` up to MAX_DECODE_QUERY_LEN queries per sequence, else
+        `PrefillPlan`) of layers shaped like these arguments, made by the first of them."""
+        kind = (query.shape, query.dtype, key_cache.shape[1:], value_cache.shape[3], key_cache.dtype,
+                block_tables.shape[0], max_seqlen_q, max_seqlen_k, sliding_window)
+        plan = self._triton.get(kind)
+        if plan is None:
+            plan = self._triton[kind] = self._plan_triton(query, key_cache, value_cache, block_tables.shape[0],
+                                                          max_seqlen_q, max_seqlen_k, sliding_window)
+            self.num_layer_plans += 1
+        return plan
+
+    def _plan_triton(self, query, key_cache, value_cache, num_seqs, max_seqlen_q, max_seqlen_k, sliding_window):
+        shapes = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2],
+                      head_dim_v=value_cache.shape[3], block_size=key_cache.shape[1], dtype=query.dtype,
+                      kv_dtype=key_cache.dtype, max_seqlen_q=max_seqlen_q, device=query.device)
+        if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
+            from .triton.decode import plan_decode
+
+            return plan_decode(**shapes, num_tokens=query.shape[0], num_seqs=num_seqs, max_seqlen_k=max_seqlen_k,
+                               sliding_window=sliding_window, workspace=self.workspace)
+        from .triton.prefill import plan_prefill
+
+        return plan_prefill(**shapes)
+
+    def torch_plan(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, one of the step's KV groups'
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        block_size: int,
+    ) -> AttentionPlan:
+        """The torch path's indices and masks over `block_tables`, made by the first layer that reads
+        that table (one host sync per step and KV group)."""
+        for tables, size, plan in self._torch:
+            if tables is block_tables and size == block_size:
+                return plan
+        plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_size,
+                             workspace=self.workspace)
+        self._torch.append((block_tables, block_size, plan))
+        self.num_layer_plans += 1
+        return plan
