@@ -94,12 +94,13 @@ class EngineCore:
         if sched is None:
             return self._take_updates()
         try:
-            logits = self.executor.execute(self._executor_step(sched))
+            work = self._executor_step(sched)
+            logits = self.executor.execute(work)
         except Exception as exc:
             self._requeue([e.request for e in sched.scheduled], exc, "forward")
             raise
         self._note_forward(sched)
-        self._update(sched, logits, self._sample(sched, logits))
+        self._update(sched, logits, self._sample(sched, work, logits))
         return self._take_updates()
 
     def _take_updates(self) -> list[TrackedRequest]:
@@ -165,13 +166,14 @@ class EngineCore:
         m.num_forward_tokens += num_tokens
 
     # ------------------------------------------------------------------ sample
-    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> "_StepSamples":
+    def _sample(self, sched: SchedulerOutput, work: ExecutorStep, logits: torch.Tensor) -> "_StepSamples":
         """Every sampling row of the step (each request's next position, each verified draft position,
         each of a request's n first samples) through one sampler call; None as the result if that
-        call raises (each request is then sampled alone in `_update`)."""
+        call raises (each request is then sampled alone in `_update`). `work`: the step's forward,
+        whose chunks (one per scheduled entry, in order) say how many logits rows each entry has."""
         plans, rows, index, row = [], [], [], 0
-        for entry in sched.scheduled:
-            n = self._num_logits(entry)
+        for entry, chunk in zip(sched.scheduled, work.chunks):
+            n = chunk.num_logits
             if not n:
                 continue
             tracked = self.requests[entry.request.request_id]
@@ -263,7 +265,7 @@ class EngineCore:
         self.metrics.generation_tokens += len(kept)
         events = self.outputs.record(tracked, kept, deltas, out, finished=reason is not None)
         if reason is not None:
-            self.finish(tracked, reason, last_event=events[-1])
+            self.finish(tracked, reason, last_event=events[-1] if events else None)
             return
         rejected = num_drafts - (len(tokens) - 1)
         self.scheduler.rollback(request, rejected)

@@ -73,22 +73,24 @@ class OutputProcessor:
                finished: bool) -> list[StreamEvent]:
         """The committed tokens' events (row j of `out` came with token j): logprobs, scores and logits
         are recorded, and every event but a finished request's last goes to its owner now (the last
-        one carries the finish, see `finish`). Never raises for a well-formed request."""
-        events = [StreamEvent(tracked.public_id, tracked.index, token, delta, None, tracked.sample_index,
-                              out.logprobs[j] if tracked.logprobs is not None else None)
-                  for j, (token, delta) in enumerate(zip(tokens, deltas or [None] * len(tokens)))]
+        one carries the finish, see `finish`). Never raises for a well-formed request. A request
+        without an owner's inbox (`add_request`) gets no events: nothing would read them."""
         if deltas:
             tracked.pending_text = ""
-        for j in range(len(events)):
-            if tracked.logprobs is not None:
-                tracked.logprobs.append(out.logprobs[j])
-            if tracked.scores is not None:
-                tracked.scores.append(out.scores[j])
-            if tracked.logits is not None:
-                tracked.logits.append(out.logits[j])
-        if tracked.inbox is not None:
-            for event in events[:-1] if finished else events:
-                tracked.inbox.put(event, None)
+        num_tokens = len(tokens)
+        if tracked.logprobs is not None:
+            tracked.logprobs.extend(out.logprobs[:num_tokens])
+        if tracked.scores is not None:
+            tracked.scores.extend(out.scores[:num_tokens])
+        if tracked.logits is not None:
+            tracked.logits.extend(out.logits[:num_tokens])
+        if tracked.inbox is None:
+            return []
+        events = [StreamEvent(tracked.public_id, tracked.index, token, delta, None, tracked.sample_index,
+                              out.logprobs[j] if tracked.logprobs is not None else None)
+                  for j, (token, delta) in enumerate(zip(tokens, deltas or [None] * num_tokens))]
+        for event in events[:-1] if finished else events:
+            tracked.inbox.put(event, None)
         return events
 
     @staticmethod
@@ -166,7 +168,8 @@ class OutputProcessor:
                 outputs.append(CompletionOutput(j, finish_reason=group.unforked_reason, error=first.error))
                 continue
             outputs.append(CompletionOutput(
-                index=j, token_ids=list(m.output_ids), text=m.text, finish_reason=m.finish_reason,
+                # output_ids is already a fresh slice: copying it again cost O(length) per request and step
+                index=j, token_ids=m.output_ids, text=m.text, finish_reason=m.finish_reason,
                 logprobs=None if m.logprobs is None else list(m.logprobs),
                 scores=None if m.scores is None else list(m.scores),
                 logits=None if m.logits is None else list(m.logits), error=m.error))
