@@ -95,7 +95,7 @@ class StepMetadata:
     def reset_forward_state(self) -> None:
         """Forget what one forward recorded on this object (layers done, quantised layers' scales, the
         gather indices), so that a step whose tensors are rewritten in place (a CUDA graph's static
-        inputs) can run forward again. The attention `plan` is the one its latest `begin_step` made."""
+        inputs) can run forward again. The attention `plan` is the one its latest `KVOwner.begin` made."""
         self.active_layer = None
         self.layers_done.clear()
         self.kv_scales.clear()

@@ -3,7 +3,7 @@
 FlashInfer splits attention into `plan()`, host-side and once per batch, and `run()`, once per layer;
 vLLM v1 builds its `AttentionMetadata` once per step and each layer's backend impl only runs. Ours:
 
-    dispatch.plan(step, workspace)   once per step (the cache's `begin_step` / `plan_step`):
+    dispatch.plan(step, workspace)   once per step (`KVOwner.begin` / `PagedCache.plan_step`):
         the backend ("torch" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
         (once per step, not per engine: a test or a server that switches it between steps is
         obeyed from the next step on), and the cache's scratch `Workspace`

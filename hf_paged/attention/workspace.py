@@ -1,7 +1,7 @@
 """`Workspace`: scratch buffers one owner keeps for the attention backends, reused across layers and
 steps.
 
-The cache owns one (`PagedCache`); each step's `plan.StepPlan` takes views of it: the torch path's
+The KV owner keeps one (`hf.KVOwner`); each step's `plan.StepPlan` takes views of it: the torch path's
 gathered K/V, the Triton decode kernel's split-K partial outputs and log-sum-exps. Layers of a step
 run one after another on one stream, so one buffer per name serves them all.
 """

@@ -33,7 +33,7 @@ import torch
 from ..attention import ATTN_IMPLEMENTATION
 from ..config import EngineConfig, PagedCacheConfig
 from ..core import KVSequence, Scheduler
-from ..hf import KVOwner, PagedCache, check_model_supported, invalidate, weights_fingerprint
+from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerprint
 from ..hf.support import check_paged_attention_supported
 from ..sampling_params import SamplingParams
 from ..spec_decode import make_proposer
@@ -154,9 +154,8 @@ class Engine(BlockingAPI, KeptKVAPI):
         )
         cache_config = replace(probe, max_kv_bytes=None, num_blocks=num_blocks or default_num_blocks(
             model, probe, max_num_seqs, model_len, self.device))
-        cache = PagedCache(model.config, cache_config)
-        cache.use_checkpoint_kv_scales(model)
-        kv = KVOwner(cache)
+        kv = PagedCache(model.config, cache_config).kv  # the model's layers write through the adapter
+        kv.use_checkpoint_kv_scales(model)
         eos_token_ids = (model_eos_token_ids(model, tokenizer) if eos_token_ids is None
                          else as_token_id_list(eos_token_ids))
         runner = ModelRunner(model, kv)
@@ -171,7 +170,7 @@ class Engine(BlockingAPI, KeptKVAPI):
             max_num_seqs=max_num_seqs, block_size=kv.block_size, kv_cache_config=cache_config)
         self.outputs = OutputProcessor(tokenizer)
         self.core = EngineCore(
-            Scheduler(cache.manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+            Scheduler(kv.manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
             InProcessExecutor(runner), kv, self.outputs, proposer=proposer,
             num_speculative_tokens=num_speculative_tokens, eos_token_ids=eos_token_ids,
             max_model_len=model_len, vocab_size=self.vocab_size,

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 
 from ..config import PagedCacheConfig
-from ..hf import PagedCache
+from ..hf import KVOwner
 
 DEFAULT_KV_BYTES_CPU = 2 << 30
 DEFAULT_KV_FRACTION_CUDA = 0.5  # of the device memory free when the engine is built
@@ -25,8 +25,8 @@ def default_num_blocks(model: torch.nn.Module, probe: PagedCacheConfig, max_num_
     Raises:
         ValueError: the budget is smaller than one block.
     """
-    cache = PagedCache(model.config, replace(probe, num_blocks=None, max_kv_bytes=None))  # sizes blocks only
-    bytes_per_block = cache.bytes_per_block(next(model.parameters()).dtype)
+    kv = KVOwner(model.config, replace(probe, num_blocks=None, max_kv_bytes=None))  # sizes blocks only
+    bytes_per_block = kv.bytes_per_block(next(model.parameters()).dtype)
     budget = probe.max_kv_bytes
     if budget is None:
         if device.type == "cuda":
@@ -34,7 +34,7 @@ def default_num_blocks(model: torch.nn.Module, probe: PagedCacheConfig, max_num_
             budget = int(free * DEFAULT_KV_FRACTION_CUDA)
         else:
             budget = DEFAULT_KV_BYTES_CPU
-    most_ever = max_num_seqs * cache.manager.max_blocks_for(min(max_model_len, 1 << 20))  # every KV group
+    most_ever = max_num_seqs * kv.manager.max_blocks_for(min(max_model_len, 1 << 20))  # every KV group
     num_blocks = min(budget // bytes_per_block, most_ever)
     if num_blocks < 1:
         raise ValueError(f"max_kv_bytes={budget} is smaller than one KV block ({bytes_per_block} bytes)")

@@ -1,8 +1,10 @@
 """The transformers adapter: a `Cache` whose K/V live in blocks, and the hook that plans each step.
 
-* `cache.py`: `PagedCache` / `PagedLayer`, the only owner of KV tensors (transformers' Cache API).
-* `kv_owner.py`: `KVOwner`, the block-level API over one `PagedCache` for steps planned outside it
-  (the engine's): the step transaction (begin, commit or abort), sequences, kept sequences, transfer.
+* `kv_owner.py`: `KVOwner`, the one owner of a KV pool: blocks, layer tensors (`layer.py`'s
+  `PagedLayer`), sequences, the step transaction (begin, commit or abort), kept sequences and K/V
+  transfer (`kv_transfer.py`).
+* `cache.py`: `PagedCache`, the thin transformers `Cache` adapter over one `KVOwner` (the Cache API,
+  and planning a padded batch from stock `generate`).
 * `planning.py`: `attach` / `detach`, the forward pre-hook that turns a padded batch into one
   `StepMetadata` and picks the paged or dense attention path.
 * `padding.py`: which columns of a padded batch are real tokens (the left-padding rule).
@@ -14,8 +16,9 @@ Depends on `core` (bookkeeping) and `attention` (metadata, kernels); knows nothi
 scheduling or sampling.
 """
 
-from .cache import PagedCache, PagedLayer
+from .cache import PagedCache
 from .kv_owner import KVOwner
+from .layer import PagedLayer
 from .planning import attach, detach
 from .support import check_model_supported, decoder_of
 from .weights import invalidate, weights_fingerprint

@@ -1,120 +1,362 @@
-"""`KVOwner`: the one owner of a `PagedCache`'s blocks for steps planned outside the cache (the
-engine's, and a draft model's), and of the sequences kept between requests.
+"""`KVOwner`: the one owner of a KV pool: its blocks and their tensors, the sequences that hold them,
+the step that writes them, and the sequences kept between requests.
 
-Every change to the blocks of a planned step goes through one transaction:
+What it owns:
+- the block pool and the torch-free `BlockManager` (`core`) that says which block holds a token;
+- every layer's K/V tensors (`PagedLayer`, allocated at its first write) and the attention workspace;
+- the weights epoch that salts block hashes, and the sequence ids;
+- the current step, and the sequences kept for callers.
+
+Every change to the blocks of a step goes through one transaction:
 
     kv.begin(step)              copy-on-write copies, the step's metadata handed to attention
-    ... the forward writes K/V ...
+    ... the forward writes K/V (`write`, from the `PagedCache` adapter's `update`) ...
     kv.commit(new_full_blocks)  the blocks the step filled are published in the prefix cache
     kv.abort()                  or: nothing the step staged is ever found; its requests recompute
 
 so a step either commits or leaves no trace. The runner calls `begin`/`commit`/`abort` around the
-forward; the engine calls `abort` when it undoes a step after scheduling; nothing else touches the
-pool, the block manager or the cache's step state.
+forward; the engine calls `abort` when it undoes a step after scheduling. A padded batch from stock
+`generate` plans its own step through the adapter (`PagedCache.plan_step`), which makes room with
+`ensure_free_blocks`, appends with `append` and opens the step with `open`.
 
 Kept sequences (`keep` ... `evict_kept`) are what a finished `retain_kv` request leaves to its
 caller: `ReturnedCache`, disaggregated prefill (`export`/`import_tokens`) and `kv_prefix` hand-overs
 use them. A kept sequence is held here until it is taken by a new request (`take`), freed (`free`,
 or `release_later` from any thread), or evicted when the pool runs dry.
+
+`PagedCache` (`cache.py`) is the thin transformers `Cache` adapter over one owner: the model's layers
+write through it, and it holds only what transformers sees (rows of a padded batch, the column count).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-from ..attention.metadata import StepMetadata
-from ..core import KVSequence
-from .cache import PagedCache
+from ..attention import dispatch
+from ..attention.interface import note_paged_step
+from ..attention.kv_quant import KVQuant
+from ..attention.metadata import PAGED, StepMetadata, host_to_device
+from ..attention.torch_paged import Workspace
+from ..config import PagedCacheConfig, kv_bytes_per_token_layer, kv_layout
+from ..core import BlockManager, BlockPool, KVSequence
+from . import kv_transfer, pool_sizing
+from .layer import PagedLayer
+from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
+                      layer_types_of, layer_windows_of)
+from .weights import WeightsEpoch
 
 logger = logging.getLogger(__name__)
 
 
 class KVOwner:
-    """The block-level API of one `PagedCache`: the step transaction, sequences, kept sequences,
-    K/V transfer and pool facts. `cache` is the transformers adapter the model's layers write into."""
+    """The KV pool of one model: blocks, tensors, sequences, the step transaction and kept sequences.
 
-    def __init__(self, cache: PagedCache):
-        self.cache = cache
+    Args:
+        config: the model's `PretrainedConfig` (its text config is used).
+        cache_config: a `PagedCacheConfig`; keyword overrides build one when omitted.
+        lookback: tokens a planner may roll back below a sequence's length before its next append
+            (a draft model's rejected drafts): sliding groups keep that much more (`BlockManager`).
+    """
+
+    def __init__(self, config, cache_config: PagedCacheConfig | None = None, *, lookback: int = 0, **overrides):
+        if cache_config is not None and overrides:
+            raise TypeError("pass either cache_config or keyword overrides, not both")
+        check_model_supported(config)
+        self.cache_config = cache_config or PagedCacheConfig(**overrides)
+        windows = layer_windows_of(config)
+        self.layout = kv_layout(windows if self.cache_config.enable_hybrid_kv else [None] * len(windows))
+        self.layers = [PagedLayer(self, is_sliding=t == "sliding_attention", group=g, slot=slot)
+                       for t, g, slot in zip(layer_types_of(config), self.layout.layer_group, self.layout.layer_slot)]
+        self.block_size = self.cache_config.block_size
+        spec = self.cache_config.kv_dtype
+        self.kv_dtype = None if spec.storage is None else getattr(torch, spec.storage)
+        # How a quantised cache's layers quantise unless a checkpoint gives a layer its own scales.
+        self.default_quant = (KVQuant.of(spec, self.cache_config.kv_quant_scheme,
+                                         rotate=self.cache_config.kv_quant_rotation) if spec.is_quantized else None)
+        self.model_config = config
+        self.has_latent_kv = has_latent_kv(config)
+        self._config_kv_shapes = kv_head_shapes(config)  # (num_kv_heads, head_dim, head_dim_v)
+        self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
+        self.manager = BlockManager(self.pool, self.block_size, self.layout.windows or (None,), lookback=lookback)
+        self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)
+        self._seq_ids = itertools.count(1)  # next() is atomic: engines create sequences from any thread
+        self._workspace = Workspace()  # attention scratch (gathers, split-K partials), reused across layers and steps
+        self.step: StepMetadata | None = None  # the step whose forward runs (or ran last)
+        self._cache: Any = None  # the `PagedCache` adapter bound to this owner
         # Kept sequences by seq_id, and those `release_later` queued (from any thread, no lock).
         self._held: dict[int, KVSequence] = {}
         self._to_release: deque[KVSequence] = deque()
 
+    @property
+    def cache(self):
+        """The `PagedCache` over this owner, which the model's layers write through."""
+        if self._cache is None:
+            raise RuntimeError("no PagedCache is bound to this KVOwner: build one with PagedCache(config, kv=owner)")
+        return self._cache
+
+    def bind(self, cache) -> None:
+        """Called by the `PagedCache` built over this owner (one adapter per owner)."""
+        if self._cache is not None and self._cache is not cache:
+            raise ValueError("this KVOwner already has its PagedCache")
+        self._cache = cache
+
     # ------------------------------------------------------------------ pool facts
     @property
-    def block_size(self) -> int:
-        return self.cache.block_size
-
-    @property
     def num_blocks(self) -> int:
-        return self.cache.pool.num_blocks
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.cache.pool.num_free_blocks
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.cache.pool.num_used_blocks
+        return self.pool.num_used_blocks
 
     @property
     def num_cached_blocks(self) -> int:
         """Free blocks that still hold a cached prefix (reusable, or evicted when needed)."""
-        return self.cache.pool.num_cached_blocks
+        return self.pool.num_cached_blocks
 
     def kv_numel_per_token(self) -> int:
         """Elements of one token's K and V over every storage slot (a transfer buffer's per-token size)."""
-        return self.cache.kv_numel_per_token()
+        return sum(layer.keys[0, 0].numel() + layer.values[0, 0].numel() for layer in self.slot_owners())
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
-        return self.cache.bytes_per_block(dtype)
+        """Bytes of K and V one block takes across all layers: measured once every layer holds its
+        tensors, else from the config's K/V head shapes (`support.kv_head_shapes`)."""
+        owners = self.slot_owners()
+        if len(owners) == self.layout.num_slots:
+            return sum(layer.bytes_per_block() for layer in owners)
+        itemsize = torch.empty(0, dtype=dtype or torch.float32).element_size()
+        num_kv_heads, head_dim, head_dim_v = self._config_kv_shapes
+        per_token = kv_bytes_per_token_layer(num_kv_heads, head_dim, head_dim_v, self.cache_config.kv_dtype,
+                                             self.cache_config.kv_quant_scheme, itemsize)
+        return self.block_size * per_token * self.layout.num_slots
 
     @property
-    def kv_dtype(self) -> torch.dtype | None:
+    def stored_dtype(self) -> torch.dtype | None:
         """The dtype the blocks are stored in, once a forward allocated them (None before)."""
-        owner = self.cache.slot_owner(0)
+        owner = self.slot_owner(0)
         return None if owner is None else owner.keys.dtype
+
+    def slot_owner(self, slot: int) -> PagedLayer | None:
+        """An initialised layer holding storage slot `slot`'s tensors, if any."""
+        for layer in self.layers:
+            if layer.slot == slot and layer.is_initialized:
+                return layer
+        return None
+
+    def slot_owners(self) -> list[PagedLayer]:
+        """One initialised layer per storage slot that has tensors (a slot's layers share them), in
+        slot order."""
+        owners: dict[int, PagedLayer] = {}
+        for layer in self.layers:
+            if layer.is_initialized:
+                owners.setdefault(layer.slot, layer)
+        return [owners[slot] for slot in sorted(owners)]
 
     # ------------------------------------------------------------------ the step transaction
     def begin(self, step: StepMetadata) -> None:
-        """Run the next forward with `step` (its copy-on-write copies are applied first)."""
-        self.cache.begin_step(step)
+        """Run the next forward with `step`, planned outside the owner (the engine's scheduler owns the
+        sequences and their block tables); applies its copy-on-write copies first.
+
+        Raises:
+            ValueError: a PAGED step for a model whose attention cannot read the blocks (latent attention).
+            RuntimeError: the previous step's forward did not finish.
+        """
+        if step.mode == PAGED and self.has_latent_kv:
+            check_paged_attention_supported(self.model_config)  # raises: the kernels cannot read latents
+        if self.step_is_unfinished():
+            self.step = None
+            raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
+        self._apply_copies(step.copies)
+        self.open(step)
+
+    def open(self, step: StepMetadata) -> None:
+        """Make `step` the one the layers write (its blocks are allocated and its copies applied)."""
+        step.plan = dispatch.plan(step, self._workspace)  # the backend, read once per step
+        self.step = step
+        note_paged_step(step)
+
+    def write(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor,
+              step: StepMetadata) -> PagedLayer:
+        """Store `step`'s new K/V of layer `layer_idx` (allocating its tensors at first sight) and
+        return the layer.
+
+        Args:
+            key_states, value_states: [batch, num_kv_heads, q_len, head_dim] (V: head_dim_v).
+        """
+        step.layers_done.add(layer_idx)
+        if len(step.layers_done) == len(self.layers):
+            note_paged_step(None)  # masks built after this forward are for someone else
+        layer = self.layers[layer_idx]
+        step.active_layer = layer_idx
+        if not layer.is_initialized:
+            if step.mode == PAGED and self.kv_dtype is not None:  # an engine step: first sight of the dtype
+                dispatch.check_kv_cache_dtype(key_states.dtype, self.kv_dtype, key_states.device,
+                                              self.cache_config.kv_quant_scheme, step.plan.backend)
+            layer.lazy_initialization(key_states, value_states)
+        slot_mapping = step.slot_mapping_of(layer.group).to(layer.device)
+        dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
+                          step.has_skipped_slots, scales=layer.scales, plan=step.plan)
+        if step.mode == PAGED and layer.scales is not None:
+            step.kv_scales[layer_idx] = layer.scales  # the attention finds a layer's scales by its index
+        return layer
 
     def commit(self, new_full_blocks: Sequence[tuple[int, int]]) -> None:
         """Every layer wrote the step's K/V: publish the blocks it filled in the prefix cache."""
-        self.cache.manager.commit_full_blocks(new_full_blocks)
+        self.manager.commit_full_blocks(new_full_blocks)
 
-    def abort(self) -> None:
+    def abort(self, reset_prefix_cache: bool = False) -> None:
         """The step failed before its K/V were complete: forget it; nothing it staged is published
-        (the engine's steps hash their blocks only at `commit`). Idempotent."""
-        self.cache.abandon_step(reset_prefix_cache=False)
-        self.cache.pool.discard_staged()
+        (the engine's steps hash their blocks only at `commit`). Idempotent. A step planned from a
+        padded batch hashed its blocks as it allocated them: `reset_prefix_cache=True` drops every
+        hash if its forward did not finish."""
+        if reset_prefix_cache and self.step_is_unfinished():
+            self.pool.reset_prefix_cache()
+        self.step = None
+        note_paged_step(None)
+        self.pool.discard_staged()
 
-    # ------------------------------------------------------------------ sequences
-    def new_sequence(self) -> KVSequence:
-        return self.cache.new_sequence()
+    def step_is_unfinished(self) -> bool:
+        return self.step is not None and len(self.step.layers_done) < len(self.layers)
+
+    def append(self, seqs: list[KVSequence],
+               new_tokens: list[list[int]]) -> tuple[list[list[list[int]]], list[tuple[int, int]]]:
+        """Append `new_tokens[i]` to `seqs[i]` for a forward planned from a padded batch (their full
+        blocks are hashed now) and apply the copy-on-write copies; `ensure_free_blocks` made room
+        first. Returns each sequence's per-group slots and the copies."""
+        slots, copies = [], []
+        for seq, tokens in zip(seqs, new_tokens):
+            result = self.manager.append_tokens(seq, tokens)
+            slots.append(result.group_slots)
+            copies.extend(result.copies)
+        self._apply_copies(copies)
+        return slots, copies
+
+    def group_fields(self, group_slots: list[list[list[int]]], seqs: list[KVSequence]) -> dict:
+        """The metadata builders' per-group arguments for sequences `seqs` whose appends returned
+        `group_slots` (per sequence, per group)."""
+        groups = range(self.manager.num_groups)
+        return dict(group_slots=[[row[g] for row in group_slots] for g in groups],
+                    group_block_tables=[[seq.block_tables[g] for seq in seqs] for g in groups],
+                    **self.group_layout())
+
+    def group_layout(self) -> dict:
+        """What every step's metadata says about the KV groups, whatever the sequences: each layer's
+        group (`layer_group`, None for one group) and each group's kept window (`group_windows`)."""
+        return dict(layer_group=self.layout.layer_group or None, group_windows=self.manager.windows)
+
+    def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one asynchronous copy per device
+        for layer in self.slot_owners():  # a block's bytes in every slot, whichever group holds it
+            if layer.device not in indices:
+                indices[layer.device] = (host_to_device([s for s, _ in copies], torch.long, layer.device),
+                                         host_to_device([d for _, d in copies], torch.long, layer.device))
+            layer.copy_blocks(*indices[layer.device])
+
+    # ------------------------------------------------------------------ sequences and the pool
+    def new_sequence(self, for_paged_steps: bool = True) -> KVSequence:
+        """A fresh `KVSequence` salted for this pool (its `cache_salt` and current weights epoch).
+
+        Raises:
+            ValueError: `for_paged_steps` and the model's attention cannot read the blocks (latent
+                attention); raised here so that the `Engine` rejects a request at admission.
+        """
+        if for_paged_steps:
+            check_paged_attention_supported(self.model_config)
+        return KVSequence(seq_id=self.next_seq_id(), extra_key=self.sequence_salt())
+
+    def next_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     def fork_sequence(self, seq: KVSequence) -> KVSequence:
-        return self.cache.fork_sequence(seq)
+        """A new sequence sharing every block of `seq` (copy-on-write on its next write): one sample
+        of n continuing a prompt computed once."""
+        return self.manager.fork(seq, self.next_seq_id())
 
     def free_sequence(self, seq: KVSequence) -> None:
-        self.cache.manager.free(seq)
+        self.manager.free(seq)
 
     def sequence_salt(self) -> tuple:
-        return self.cache.sequence_salt()
+        """What every block hash of a sequence starting now is salted with: the `cache_salt`, the
+        current weights epoch and the KV storage (dtype and quantisation scheme). A sequence that
+        stores nothing yet may be re-salted with it."""
+        cfg = self.cache_config
+        return (cfg.cache_salt, self.weights.epoch, cfg.kv_cache_dtype, cfg.kv_quant_scheme, cfg.kv_quant_rotation)
 
     def note_weights(self, fingerprint) -> None:
-        self.cache.note_weights(fingerprint)
+        """Called before each step with `weights_fingerprint(model)`; see `WeightsEpoch.note`."""
+        self.weights.note(fingerprint)
 
     def reset_prefix_cache(self) -> None:
-        self.cache.pool.reset_prefix_cache()
+        self.pool.reset_prefix_cache()
+
+    def ensure_free_blocks(self, seqs: list[KVSequence], new_tokens: list[list[int]], dtype: torch.dtype) -> None:
+        """Grow the pool (and every layer's tensors) until these appends' new blocks are free."""
+        manager = self.manager
+        for seq in seqs:  # sliding-window blocks no query reads any more, from every row before any allocates
+            manager.release(seq)
+        needed = sum(manager.num_blocks_needed(seq, len(t)) for seq, t in zip(seqs, new_tokens))
+        free = self.pool.num_free_blocks
+        if needed <= free:
+            return
+        target = pool_sizing.growth_target(
+            num_blocks=self.pool.num_blocks, num_free_blocks=free, num_needed=needed,
+            seq_blocks=[manager.num_blocks_held(seq, len(t)) for seq, t in zip(seqs, new_tokens)],
+            seq_totals=[seq.num_tokens + len(t) for seq, t in zip(seqs, new_tokens)], block_size=self.block_size,
+            limit=pool_sizing.max_num_blocks(self.cache_config, self.bytes_per_block(dtype)),
+            reason=pool_sizing.limit_reason(self.cache_config),
+        )
+        self.grow_to(target)
 
     def grow_to(self, num_blocks: int) -> None:
-        """Grow the pool to `num_blocks` blocks (never shrinks); only between steps."""
-        self.cache.grow_to(num_blocks)
+        """Grow the pool (and every storage slot's tensors) to `num_blocks` blocks; never shrinks. Only
+        between steps."""
+        if num_blocks <= self.pool.num_blocks:
+            return
+        self.pool.grow(num_blocks - self.pool.num_blocks)
+        owners = {layer.slot: layer for layer in self.slot_owners()}
+        for layer in owners.values():
+            layer.resize(self.pool.num_blocks)
+        for layer in self.layers:  # the other layers of each slot share its owner's new tensors
+            if layer is not owners.get(layer.slot):
+                layer.resize(self.pool.num_blocks, like=owners.get(layer.slot))
+
+    def use_checkpoint_kv_scales(self, model: torch.nn.Module) -> int:
+        """Quantise each layer with its checkpoint's own static `k_scale` / `v_scale` (attention modules
+        of compressed-tensors FP8 checkpoints carry them), instead of dynamic scales. Only an fp8 cache
+        uses them, and only for layers not yet written. Returns how many layers took static scales."""
+        spec = self.cache_config.kv_dtype
+        if not spec.is_quantized or spec.name == "int8":
+            return 0
+        found = 0
+        for module in model.modules():
+            idx = getattr(module, "layer_idx", None)
+            k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
+            if not (isinstance(idx, int) and torch.is_tensor(k_scale) and torch.is_tensor(v_scale)):
+                continue
+            if not 0 <= idx < len(self.layers) or self.layers[idx].is_initialized:
+                continue
+            if k_scale.numel() != 1 or v_scale.numel() != 1:
+                logger.warning("hf_paged: layer %d's checkpoint k_scale/v_scale are not per-tensor (shapes %s, %s); "
+                               "it keeps dynamic scales", idx, tuple(k_scale.shape), tuple(v_scale.shape))
+                continue
+            k, v = float(k_scale), float(v_scale)
+            if not (k > 0 and v > 0 and k != float("inf") and v != float("inf")):
+                raise ValueError(f"layer {idx}: checkpoint k_scale/v_scale must be positive and finite, got {k}, {v}")
+            self.layers[idx].quant = KVQuant.of(spec, self.cache_config.kv_quant_scheme, k, v)
+            found += 1
+        return found
 
     # ------------------------------------------------------------------ kept sequences
     def keep(self, seq: KVSequence, num_tokens: int) -> bool:
@@ -123,9 +365,9 @@ class KVOwner:
         extra = seq.num_tokens - num_tokens
         if extra > 0:
             try:
-                self.cache.manager.truncate(seq, extra)
+                self.manager.truncate(seq, extra)
             except ValueError:
-                self.cache.manager.free(seq)
+                self.manager.free(seq)
                 return False
         self._held[seq.seq_id] = seq
         return True
@@ -150,7 +392,7 @@ class KVOwner:
         for seq in seqs:
             if seq is not None and self.holds(seq):
                 del self._held[seq.seq_id]
-                self.cache.manager.free(seq)
+                self.manager.free(seq)
 
     def release_later(self, seqs: Iterable[KVSequence]) -> None:
         """`free` from any thread and any moment (a finaliser): done at the next `apply_releases`."""
@@ -166,10 +408,10 @@ class KVOwner:
             return False
         if seq.num_tokens > num_tokens:
             try:
-                self.cache.manager.truncate(seq, seq.num_tokens - num_tokens)
+                self.manager.truncate(seq, seq.num_tokens - num_tokens)
             except ValueError:
                 del self._held[seq.seq_id]
-                self.cache.manager.free(seq)
+                self.manager.free(seq)
                 return False
         return True
 
@@ -177,23 +419,17 @@ class KVOwner:
         """A second kept sequence sharing `seq`'s blocks (copy-on-write), or None if `seq` is not held."""
         if not self.holds(seq):
             return None
-        fork = self.cache.fork_sequence(seq)
+        fork = self.fork_sequence(seq)
         self._held[fork.seq_id] = fork
         return fork
 
-    def export(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * cache.kv_numel_per_token()]
+    def export(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * kv_numel_per_token()]
         """The K/V of every token of a kept sequence as one contiguous flat buffer in the pool's dtype:
         per storage slot in slot order, its K ([num_tokens, num_kv_heads, head_dim]) then its V. A
         copy: the blocks may be freed as soon as this returns."""
         if not self.holds(seq):
             raise ValueError("export_kv takes a sequence this engine keeps (kept_kv)")
-        self.check_transferable()
-        index = self._token_slots(seq.block_tables[0], seq.num_tokens)
-        parts = []
-        for layer in self.cache.slot_owners():
-            for tensor in (layer.keys, layer.values):
-                parts.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, index.to(tensor.device)).reshape(-1))
-        return torch.cat(parts)
+        return kv_transfer.export_tokens(self, seq)
 
     def import_tokens(self, token_ids: list[int], kv: torch.Tensor) -> KVSequence:
         """Keep a new sequence holding `token_ids` whose K/V are `kv` (an `export` buffer of another
@@ -202,72 +438,32 @@ class KVOwner:
         after their K/V are in place.
 
         Raises:
-            ValueError: `kv` does not hold exactly `len(token_ids)` tokens of this cache's layout, or
-                the cache cannot move K/V (`check_transferable`).
+            ValueError: `kv` does not hold exactly `len(token_ids)` tokens of this pool's layout, or
+                the K/V cannot move (`check_transferable`).
             NoFreeBlocksError: a fixed pool has no room (nothing is changed).
         """
-        self.check_transferable()
-        cache = self.cache
-        per_token = cache.kv_numel_per_token()
-        if kv.dim() != 1 or kv.numel() != len(token_ids) * per_token:
-            raise ValueError(f"a K/V buffer of {tuple(kv.shape)} does not hold {len(token_ids)} tokens of "
-                             f"{per_token} elements")
-        seq = cache.new_sequence(for_paged_steps=False)
-        owners = cache.slot_owners()
-        cache.ensure_free_blocks([seq], [token_ids], owners[0].keys.dtype)
-        result = cache.manager.append_tokens(seq, token_ids, register=False)
-        slots = torch.tensor(result.group_slots[0], dtype=torch.long)
-        written = slots >= 0  # -1: a block taken from the prefix cache, already holding these K/V
-        try:
-            offset, n = 0, len(token_ids)
-            for layer in owners:
-                for tensor in (layer.keys, layer.values):
-                    row = tensor[0, 0].numel()
-                    part = kv[offset: offset + n * row].view(n, *tensor.shape[2:])
-                    offset += n * row
-                    flat = tensor.view(-1, *tensor.shape[2:])
-                    with torch.inference_mode(tensor.is_inference()):
-                        flat[slots[written].to(tensor.device)] = part[written.to(part.device)].to(tensor.device,
-                                                                                               tensor.dtype)
-        except BaseException:
-            cache.manager.free(seq)
-            raise
-        cache.manager.commit_full_blocks(result.new_full_blocks)
+        seq = kv_transfer.import_tokens(self, token_ids, kv)
         self._held[seq.seq_id] = seq
         return seq
-
-    def _token_slots(self, table: list[int], num_tokens: int) -> torch.Tensor:  # [num_tokens] long
-        bs = self.block_size
-        blocks = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(num_tokens)
-        return blocks[positions // bs] * bs + positions % bs
 
     def evict_kept(self) -> bool:
         """Free every kept sequence (their owners recompute on use); returns whether any was held."""
         held, self._held = list(self._held.values()), {}
         for seq in held:
-            self.cache.manager.free(seq)
+            self.manager.free(seq)
         if held:
             logger.info("hf_paged: evicted %d kept sequences (returned caches) to make room", len(held))
         return bool(held)
 
     # ------------------------------------------------------------------ K/V transfer facts
     def check_transferable(self) -> None:
-        """Raise ValueError unless this cache's K/V can be exported and imported token by token (one
+        """Raise ValueError unless this pool's K/V can be exported and imported token by token (one
         KV group, no quantisation scales, every layer's tensors allocated): what disaggregated
         serving moves between engines."""
-        cache = self.cache
-        if len(cache.layout.groups) != 1:
-            raise ValueError("moving K/V between engines needs one KV group: build the engines with "
-                             "enable_hybrid_kv=False for this sliding-window model")
-        if cache.cache_config.kv_dtype.is_quantized:
-            raise ValueError(f"moving K/V between engines does not carry quantisation scales "
-                             f"(kv_cache_dtype={cache.cache_config.kv_cache_dtype!r}); use an unquantised cache")
-        if len(cache.slot_owners()) != cache.layout.num_slots:
-            raise ValueError("moving K/V needs every layer's tensors: run one forward (a warm-up) first")
+        kv_transfer.check_transferable(self)
 
     def transfer_info(self) -> dict:
         """What a disaggregated peer must agree on before K/V move between two engines."""
         return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks + self.num_cached_blocks,
                 "block_size": self.block_size, "kv_numel_per_token": self.kv_numel_per_token(),
-                "kv_dtype": self.kv_dtype}
+                "kv_dtype": self.stored_dtype}

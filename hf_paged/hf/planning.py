@@ -5,7 +5,7 @@ visible: just before the decoder's forward, from its `input_ids`, `attention_mas
 hook then passes the plan down as the `paged_metadata` kwarg, which transformers forwards to every
 attention call (`TransformersKwargs`). `generate` attaches models automatically.
 
-Owns the hook only: the cache plans the step (`PagedCache.plan_step`); this module decides when,
+Owns the hook only: the cache adapter plans the step (`PagedCache.plan_step`); this module decides when,
 and whether the paged or the dense attention path runs.
 """
 
@@ -76,12 +76,12 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
         if cache.stores_padding:
             padding_known = False  # every column is stored
         mode = PAGED if model.config._attn_implementation == "hf_paged" and padding_known else DENSE
-        if not cache.seqs and cache.default_quant is not None:
-            cache.use_checkpoint_kv_scales(model)  # layers not yet written take a checkpoint's k/v scales
+        if not cache.seqs and cache.kv.default_quant is not None:
+            cache.kv.use_checkpoint_kv_scales(model)  # layers not yet written take a checkpoint's k/v scales
         if cache.cache_config.enable_prefix_caching and not cache.seqs:
             # New sequences are about to be hashed: make sure no prefix computed under other weights
             # can be hit. (Live sequences keep their salt, which new ones never share.)
-            cache.note_weights(weights_fingerprint(model))
+            cache.kv.note_weights(weights_fingerprint(model))
         meta = cache.plan_step(
             batch_size=reference.shape[0],
             q_len=reference.shape[1],

@@ -1,6 +1,6 @@
 """`DraftModelProposer`: drafts with a smaller causal LM that shares the target's tokenizer.
 
-It keeps its own `PagedCache` and `ModelRunner`. At each proposal it catches up on the tokens
+It keeps its own `KVOwner` (with its `PagedCache`) and `ModelRunner`. At each proposal it catches up on the tokens
 committed since its last one, then drafts k tokens in k packed forwards for all requests at once.
 Its rejected positions are rolled back (`truncate`) at the next proposal, so it never reads a stale
 token. It never touches the target's cache.
@@ -15,7 +15,7 @@ import torch
 from ..attention import ATTN_IMPLEMENTATION
 from ..config import DEFAULT_BLOCK_SIZE, MAX_SPECULATIVE_TOKENS, PagedCacheConfig
 from ..core import KVSequence
-from ..hf import PagedCache, decoder_of
+from ..hf import KVOwner, PagedCache, decoder_of
 from ..worker import Chunk, ModelRunner
 from ..worker.sampler import SampleRow, Sampler
 from .proposal import Proposal, ProposalRequest
@@ -36,16 +36,17 @@ class DraftModelProposer:
                  enable_hybrid_kv: bool = True):
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.cache = PagedCache(_config_for_layers_present(model),
-                                PagedCacheConfig(block_size=block_size, num_blocks=num_blocks,
-                                                 kv_cache_dtype=kv_cache_dtype, kv_quant_scheme=kv_quant_scheme,
-                                                 kv_quant_rotation=kv_quant_rotation,
-                                                 enable_hybrid_kv=enable_hybrid_kv))
-        self.cache.use_checkpoint_kv_scales(model)
-        self.manager = self.cache.manager
+        config = _config_for_layers_present(model)
         # It appends its own drafts before the target verifies them, then rolls back the rejected ones:
         # a sliding-window layer must keep what a rollback of a whole draft would read again.
-        self.manager.lookback = MAX_SPECULATIVE_TOKENS
+        self.kv = KVOwner(config, PagedCacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                                   kv_cache_dtype=kv_cache_dtype, kv_quant_scheme=kv_quant_scheme,
+                                                   kv_quant_rotation=kv_quant_rotation,
+                                                   enable_hybrid_kv=enable_hybrid_kv),
+                          lookback=MAX_SPECULATIVE_TOKENS)
+        self.kv.use_checkpoint_kv_scales(model)
+        self.manager = self.kv.manager  # it plans its own appends, as a scheduler does
+        self.cache = PagedCache(config, kv=self.kv)
         self.runner = ModelRunner(model, self.cache)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.seqs: dict[str, KVSequence] = {}
@@ -63,7 +64,7 @@ class DraftModelProposer:
         for i, r in enumerate(requests):
             seq = self.seqs.get(r.request_id)
             if seq is None:
-                seq = self.seqs[r.request_id] = self.cache.new_sequence()
+                seq = self.seqs[r.request_id] = self.kv.new_sequence()
             # Keep what the draft computed that is still committed; the rest (rejected drafts) goes.
             common = _common_prefix(seq.token_ids, r.token_ids)
             common = min(common, len(r.token_ids) - 1)  # feed at least the newest token

@@ -57,7 +57,7 @@ import torch
 
 from ..attention import dispatch
 from ..attention.metadata import PAGED, StepMetadata, block_table_array
-from ..hf import PagedCache
+from ..hf import KVOwner
 from ..hf.weights import VERSION_ATTR
 
 logger = logging.getLogger(__name__)
@@ -372,21 +372,21 @@ class DecodeGraphs:
         run_model: `(input_ids, positions, logits_index, metadata) -> [B, vocab] logits`: one forward
             with `metadata` as the cache's step (what is captured; it begins the cache's step itself).
         model: the model (its parameters' memory is what a graph reads).
-        cache: the cache whose KV pool the graphs read and write.
+        kv: the `KVOwner` whose pool the graphs read and write.
         device: where the model runs.
         batch_sizes: the batch buckets (`batch_size_buckets`).
         max_seqlens: the `max_seqlen_k` buckets (`max_seqlen_buckets`).
         capture: `CudaGraphCapture` (default) or a stand-in with the same call.
     """
 
-    def __init__(self, run_model: Callable, model: torch.nn.Module, cache: PagedCache, device: torch.device,
+    def __init__(self, run_model: Callable, model: torch.nn.Module, kv: KVOwner, device: torch.device,
                  batch_sizes: Sequence[int], max_seqlens: Sequence[int], capture=None):
         self.run_model = run_model
         self.model = model
-        self.cache = cache
+        self.kv = kv
         self.batch_sizes = tuple(sorted(batch_sizes))
         self.max_seqlens = tuple(sorted(max_seqlens))
-        self.num_groups = cache.manager.num_groups
+        self.num_groups = kv.manager.num_groups
         self.inputs = StaticInputs(self.batch_sizes[-1], self.width_for(self.max_seqlens[-1]), self.num_groups, device)
         self.capture = capture if capture is not None else CudaGraphCapture(device)
         self.graphs: dict[GraphKey, _Graph] = {}
@@ -397,7 +397,7 @@ class DecodeGraphs:
 
     def width_for(self, max_seqlen_k: int) -> int:
         """Block-table columns of a graph for `max_seqlen_k`: enough blocks for its longest sequence."""
-        return -(-max_seqlen_k // self.cache.block_size)
+        return -(-max_seqlen_k // self.kv.block_size)
 
     def key_for(self, num_seqs: int, max_seqlen_k: int) -> GraphKey | None:
         """The graph a decode step of `num_seqs` sequences, the longest holding `max_seqlen_k` tokens,
@@ -451,14 +451,14 @@ class DecodeGraphs:
 
         self.inputs.fill(layout, DecodeBatch.empty(self.num_groups))  # every row padding: nothing is written
         forward()  # warm-up, eagerly: Triton compiles (and autotunes) here, lazily built state is built
-        if not all(layer.is_initialized for layer in self.cache.layers):
+        if not all(layer.is_initialized for layer in self.kv.layers):
             raise RuntimeError("the warm-up left KV layers unallocated; a capture would allocate them in its pool")
         return _Graph(self.capture(forward), layout, meta)
 
     def _metadata(self, key: GraphKey, inputs: GraphInputs) -> StepMetadata:
         """The step every replay of `key` runs: fixed host values, tensors that are the static views."""
         many = self.num_groups > 1
-        layout = self.cache.group_layout()
+        layout = self.kv.group_layout()
         windows = layout["group_windows"]
         return StepMetadata(
             mode=PAGED, batch_size=1, q_len=key.batch_size, num_columns=0,
@@ -479,7 +479,7 @@ class DecodeGraphs:
         changed in a way a graph cannot follow. Checked only when the pool size or the cache's weights
         epoch moved (the epoch moves when `weights_fingerprint` changes, seen at admission): an
         in-place update (an optimizer step, `load_state_dict`) keeps every address and the graphs."""
-        memory = (self.cache.pool.num_blocks, self.cache.weights.epoch)
+        memory = (self.kv.pool.num_blocks, self.kv.weights.epoch)
         if memory == self._memory:
             return
         self._memory = memory
@@ -497,9 +497,9 @@ class DecodeGraphs:
         or merging an adapter changes the forward's Python path without moving any memory."""
         model = self.model
         tensors = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*model.parameters(), *model.buffers()))
-        kv = tuple(t.data_ptr() for layer in self.cache.layers if layer.is_initialized
+        kv = tuple(t.data_ptr() for layer in self.kv.layers if layer.is_initialized
                    for t in (layer.keys, layer.values))
         modules = list(model.modules())
         invalidations = sum(m.__dict__.get(VERSION_ATTR, 0) for m in modules)
         adapters = any(isinstance(getattr(type(m), "active_adapter", None), property) for m in modules)
-        return tensors, kv, invalidations, self.cache.weights.epoch if adapters else None
+        return tensors, kv, invalidations, self.kv.weights.epoch if adapters else None

@@ -59,7 +59,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, kv: KVOwner | PagedCache):
         self.model = model
-        self.kv = kv if isinstance(kv, KVOwner) else KVOwner(kv)
+        self.kv = kv if isinstance(kv, KVOwner) else kv.kv
         self.cache = self.kv.cache  # the transformers Cache the model's layers write into
         self.device = next(model.parameters()).device
         params = inspect.signature(decoder_of(model).forward).parameters
@@ -75,7 +75,7 @@ class ModelRunner:
         """Replay decode steps from graphs captured for these buckets (`cuda_graphs.batch_size_buckets`,
         `cuda_graphs.max_seqlen_buckets`); `capture` replaces `torch.cuda.CUDAGraph` capture (the
         tests' `EagerGraphCapture`)."""
-        self.graphs = DecodeGraphs(self._graph_forward, self.model, self.cache, self.device, batch_sizes,
+        self.graphs = DecodeGraphs(self._graph_forward, self.model, self.kv, self.device, batch_sizes,
                                    max_seqlens, capture)
         return self.graphs
 
@@ -110,7 +110,7 @@ class ModelRunner:
             seq_lens=[c.seq.num_tokens for c in chunks],
             copies=copies,
             device=self.device,
-            **self.cache.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks]),
+            **self.kv.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks]),
         )
         ids = host_to_device([input_ids], torch.long, self.device)  # [1, num_tokens]
         pos = host_to_device([positions], torch.long, self.device)  # [1, num_tokens]
@@ -129,7 +129,7 @@ class ModelRunner:
 
     def _replay(self, key: GraphKey, chunks: list[Chunk], began: float) -> torch.Tensor | None:
         """A decode step on its graph; None if capturing it failed (graphs are then off for good)."""
-        fields = self.cache.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks])
+        fields = self.kv.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks])
         batch = DecodeBatch(
             token_ids=[c.token_ids[0] for c in chunks],
             positions=[c.start for c in chunks],

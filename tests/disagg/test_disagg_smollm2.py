@@ -50,7 +50,7 @@ def reference(prompts):
     engine = Engine(model, tokenizer, block_size=16)
     greedy = [o.token_ids for o in engine.generate(prompts, GREEDY)]
     seeded = [o.token_ids for o in engine.generate(prompts[:8], _seeded(8))]
-    return greedy, seeded, engine.cache.kv_numel_per_token() * 4  # fp32 bytes per token
+    return greedy, seeded, engine.cache.kv.kv_numel_per_token() * 4  # fp32 bytes per token
 
 
 @pytest.mark.parametrize("num_prefill, num_decode", [(1, 2), (2, 1)])

@@ -28,7 +28,6 @@ def setup():
         ids = torch.tensor([p])
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False)
         stock.append(out[0, len(p):].tolist())
-    assert any(len(s) < NEW_TOKENS for s in stock) or True  # EOS may or may not end some early; both are compared
     return model, tokenizer, prompts, stock
 
 

@@ -42,7 +42,7 @@ def test_prefill_on_one_engine_decode_on_another_equals_one_engine(prompt, tempe
     [seq] = a.kept_kv(first.request_id)
     kv = a.export_kv(seq)
     a.free_kv([seq])
-    assert kv.is_contiguous() and kv.numel() == len(prompt) * a.cache.kv_numel_per_token()
+    assert kv.is_contiguous() and kv.numel() == len(prompt) * a.cache.kv.kv_numel_per_token()
     forwarded = b.metrics()["num_forward_tokens"]
     imported = b.import_kv(prompt, kv)
     out = _run(b, prompt=prompt, sampling_params=params, request_id=None, kv_prefix=imported,
@@ -104,5 +104,5 @@ def test_a_buffer_of_the_wrong_size_is_refused_and_stores_nothing():
     a, b = _engines()
     used = b.cache.pool.num_used_blocks
     with pytest.raises(ValueError, match="does not hold"):
-        b.import_kv([5, 6, 7], torch.zeros(b.cache.kv_numel_per_token() * 2))
+        b.import_kv([5, 6, 7], torch.zeros(b.cache.kv.kv_numel_per_token() * 2))
     assert b.cache.pool.num_used_blocks == used

@@ -13,17 +13,17 @@ from tiny_models import tiny_model
 @pytest.fixture
 def kv():
     model = tiny_model("llama", "hf_paged")
-    return KVOwner(PagedCache(model.config, block_size=4, num_blocks=32))
+    return PagedCache(model.config, block_size=4, num_blocks=32).kv
 
 
 def _sequence(kv: KVOwner, num_tokens: int):
     seq = kv.new_sequence()
-    kv.cache.manager.append_tokens(seq, list(range(3, 3 + num_tokens)))
+    kv.manager.append_tokens(seq, list(range(3, 3 + num_tokens)))
     return seq
 
 
 def _check(kv: KVOwner):
-    kv.cache.pool.check_invariants()
+    kv.pool.check_invariants()
 
 
 def test_keep_take_free(kv):

@@ -13,6 +13,7 @@ import hf_paged
 from hf_paged import Engine, PagedCache, PagedCacheConfig, SamplingParams
 from hf_paged.attention import dispatch, torch_paged
 from hf_paged.attention.kv_quant import KVQuant, KVScales, dequantize, quantize
+from hf_paged.hf import KVOwner
 from hf_paged.config import (KV_CACHE_DTYPE_NAMES, KV_CACHE_DTYPES, kv_bytes_per_token_layer, kv_cache_dtype)
 from tests.tiny_models import tiny_model, with_cache
 
@@ -256,7 +257,7 @@ def test_engine_prefix_cache_preemption_speculation_and_drop_in_agree(name):
 
 def test_prefix_hash_covers_the_kv_dtype():
     model = tiny_model("llama")
-    salts = {PagedCache(model.config, kv_cache_dtype=n, kv_quant_scheme=s).sequence_salt()
+    salts = {KVOwner(model.config, kv_cache_dtype=n, kv_quant_scheme=s).sequence_salt()
              for n, s in (("auto", "dynamic"), ("int8", "dynamic"), ("int8", "asymmetric"), ("fp8", "dynamic"),
                           ("fp8_e5m2", "dynamic"))}
     assert len(salts) == 5
@@ -282,7 +283,7 @@ def test_checkpoint_k_v_scales_are_honoured():
         written = layer.key_scales[layer.key_scales != 0]
         assert written.numel() > 0 and torch.allclose(written, torch.tensor(0.01 * (i + 1)))
     int8 = Engine(model, kv_cache_dtype="int8")  # int8 keeps its dynamic scales
-    assert int8.cache.use_checkpoint_kv_scales(model) == 0
+    assert int8.cache.kv.use_checkpoint_kv_scales(model) == 0
     model.model.layers[0].self_attn.k_scale.fill_(-1.0)
     with pytest.raises(ValueError, match="layer 0: checkpoint k_scale/v_scale must be positive"):
         Engine(model, kv_cache_dtype="fp8")
@@ -389,7 +390,7 @@ def test_non_scalar_checkpoint_scales_fall_back_to_dynamic(caplog):
     attn.register_buffer("v_scale", torch.ones(2))
     cache = PagedCache(model.config, kv_cache_dtype="fp8")
     with caplog.at_level("WARNING"):
-        assert cache.use_checkpoint_kv_scales(model) == 0
+        assert cache.kv.use_checkpoint_kv_scales(model) == 0
     assert "layer 1's checkpoint k_scale/v_scale are not per-tensor" in caplog.text
 
 

@@ -126,7 +126,7 @@ def test_engine_refuses_latent_attention_and_says_what_to_use(arch):
         Engine(model, block_size=4, num_blocks=32)
     cache = PagedCache(model.config, hf_paged.PagedCacheConfig(block_size=4, num_blocks=32))
     with pytest.raises(ValueError, match=ENGINE_MESSAGE):  # nor can a cache plan packed steps for them
-        cache.new_sequence()
+        cache.kv.new_sequence()
     assert all(not layer.is_initialized for layer in cache.layers)  # no forward ran
 
     # generate() on an hf_paged model falls back from the Engine to stock generation over a PagedCache.

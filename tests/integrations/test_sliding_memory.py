@@ -235,7 +235,7 @@ def test_released_entries_read_the_rows_own_blocks():
 def test_a_refused_crop_changes_no_row():
     """Row 0 could roll back 5 tokens, row 1 (long, its early blocks released) cannot: nothing moves."""
     cache = PagedCache(tiny_model("gemma3").config, block_size=4)
-    cache.grow_to(64)
+    cache.kv.grow_to(64)
     manager = cache.manager
     from hf_paged.core import KVSequence
 

@@ -189,7 +189,7 @@ def _fill_one_sequence(cache, block_size):
             ids = torch.arange(step * block_size, (step + 1) * block_size)[None]
             cache.plan_step(batch_size=1, q_len=block_size, mode="paged", device=torch.device("cpu"),
                             dtype=torch.float32, input_ids=ids)
-            cache._step.layers_done.update(range(len(cache.layers)))  # as if the forward ran
+            cache.kv.step.layers_done.update(range(len(cache.layers)))  # as if the forward ran
             step += 1
     return step
 

@@ -426,7 +426,7 @@ def test_graphs_follow_moved_memory():
     again = engine.generate(_prompts([3, 5]), params)
     assert capture.num_captures == 4
     _assert_same(first, again)
-    engine.cache.grow_to(engine.cache.pool.num_blocks + 8)  # new KV tensors
+    engine.cache.kv.grow_to(engine.cache.pool.num_blocks + 8)  # new KV tensors
     engine.generate(_prompts([3, 5]), params)
     assert capture.num_captures == 6
     hf_paged.invalidate(model)  # a change the user declares (a hook, a replaced forward): recapture

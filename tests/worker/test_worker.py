@@ -85,7 +85,7 @@ def test_one_packed_forward_equals_each_sequence_alone(arch):
     prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 1)]
     chunks = []
     for prompt in prompts:
-        seq = cache.new_sequence()
+        seq = cache.kv.new_sequence()
         result = cache.manager.append_tokens(seq, prompt)
         chunks.append(Chunk(seq, 0, prompt, result.group_slots, 1))
     logits = runner.forward(chunks, [])
