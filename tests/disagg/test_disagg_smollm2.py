@@ -1,8 +1,9 @@
-"""Disaggregated prefill/decode on SmolLM2-135M-Instruct (gloo, CPU): 32 chat prompts of 20-600
+"""Disaggregated prefill/decode on SmolLM2-135M-Instruct (gloo, CPU): 12 chat prompts of 20-600
 tokens, which share the chat template's system prompt, give one `Engine`'s greedy and seeded outputs
-token for token, with 1 prefill + 2 decode and with 2 prefill + 1 decode workers, prefix caching on.
-The K/V moved per request is its prompt's, to the byte; one tensor message per request. The same
-parity runs with NCCL on one GPU where there is one."""
+token for token, with 2 prefill + 1 decode workers, prefix caching on. The K/V moved per request is
+its prompt's, to the byte; one tensor message per request. (Both topologies, 1 + 2 and 2 + 1, run on
+tiny models in `test_disagg.py`; this is the real checkpoint's K/V over the same path.) The same
+parity runs with NCCL on two GPUs where there are two."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def prompts():
         tokenizer = load_default_tokenizer()
     except DefaultModelNotInstalledError as exc:  # a GPU machine the weights did not reach
         pytest.skip(f"SmolLM2's weights are not installed here: {exc}")
-    out = mixed_length_prompts(tokenizer, 32, 20, 600, seed=3)
+    out = mixed_length_prompts(tokenizer, 12, 20, 600, seed=3)
     assert min(map(len, out)) >= 20 and max(map(len, out)) <= 600
     return out
 
@@ -49,11 +50,11 @@ def reference(prompts):
     model, tokenizer = _factory()()
     engine = Engine(model, tokenizer, block_size=16)
     greedy = [o.token_ids for o in engine.generate(prompts, GREEDY)]
-    seeded = [o.token_ids for o in engine.generate(prompts[:8], _seeded(8))]
+    seeded = [o.token_ids for o in engine.generate(prompts[:4], _seeded(4))]
     return greedy, seeded, engine.cache.kv.kv_numel_per_token() * 4  # fp32 bytes per token
 
 
-@pytest.mark.parametrize("num_prefill, num_decode", [(1, 2), (2, 1)])
+@pytest.mark.parametrize("num_prefill, num_decode", [(2, 1)])
 def test_smollm2_disaggregated_equals_one_engine(prompts, reference, num_prefill, num_decode):
     greedy, seeded, kv_bytes_per_token = reference
     with DisaggregatedEngine(_factory(), num_prefill=num_prefill, num_decode=num_decode) as engine:
@@ -63,7 +64,7 @@ def test_smollm2_disaggregated_equals_one_engine(prompts, reference, num_prefill
         moved = [len(p) for p, o in zip(prompts, out)]
         assert m["kv_bytes_transferred"] == sum(moved) * kv_bytes_per_token
         assert sum(t["count"] for t in m["transfers"].values()) == len(prompts)
-        assert [o.token_ids for o in engine.generate(prompts[:8], _seeded(8))] == seeded
+        assert [o.token_ids for o in engine.generate(prompts[:4], _seeded(4))] == seeded
 
 
 @pytest.mark.cuda

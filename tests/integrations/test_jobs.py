@@ -135,7 +135,7 @@ def test_a_job_writes_one_record_per_row_and_error_records_for_bad_rows(model_di
 def _cli(model_dir, rows_path, out, *extra):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return [sys.executable, "-m", "hf_paged.cli", "generate", "--model", str(model_dir), "--input", str(rows_path),
-            "--output", str(out), "--max-new-tokens", "24", "--max-num-seqs", "2", *extra], env
+            "--output", str(out), "--max-new-tokens", "12", "--max-num-seqs", "2", *extra], env
 
 
 @pytest.fixture(scope="module")
