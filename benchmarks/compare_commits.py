@@ -5,7 +5,10 @@ median tokens/s of each and their ratio. For a change that must not slow the eng
     python benchmarks/compare_commits.py --base HEAD~1 [--rounds 3] [--num-requests 64] [--threads N]
 
 The base is checked out with `git worktree` into a temporary folder (removed afterwards) and run with
-the same interpreter, its own `hf_paged` first on `PYTHONPATH`. The order alternates per round
+the same interpreter. Each run imports its own tree's `hf_paged`: `PYTHONPATH` alone is not enough,
+since an editable install (`make setup`'s) maps `hf_paged` to this checkout through an import hook
+that is asked before any path; the launcher below drops that hook, puts the tree first on the path
+and checks which package it imported before it runs the tree's `benchmarks/throughput.py`. The order alternates per round
 (base first, then this checkout first, ...), so a slow drift of the machine favours neither. Run it
 with nothing else running: the figures are wall-clock.
 """
@@ -24,8 +27,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Runs `script` (argv[2]) with `tree`'s (argv[1]) hf_paged, whatever is installed; the rest is its argv.
+LAUNCHER = """
+import runpy, sys
+from pathlib import Path
+tree, script = Path(sys.argv[1]).resolve(), sys.argv[2]
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
+                    and not type(f).__module__.startswith("__editable__")]
+sys.path.insert(0, str(tree))
+import hf_paged
+imported = Path(hf_paged.__file__).resolve()
+if tree not in imported.parents:
+    sys.exit(f"compare_commits: imported {imported}, not {tree}'s hf_paged")
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+"""
+
+
 def run_once(tree: Path, args, out: Path) -> float:
-    cmd = [sys.executable, str(tree / "benchmarks" / "throughput.py"), "--modes", "greedy",
+    cmd = [sys.executable, "-c", LAUNCHER, str(tree), str(tree / "benchmarks" / "throughput.py"), "--modes", "greedy",
            "--skip", "static_bs8,static_bs32,generate_batch", "--num-requests", str(args.num_requests),
            "--json", str(out)]
     if args.threads:
