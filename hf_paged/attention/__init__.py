@@ -15,7 +15,7 @@ Works on tensors, block tables and slot mappings only: it never decides which bl
 (that is `core`) and never sees a request.
 """
 
-from .interface import ATTN_IMPLEMENTATION, paged_attention_forward, register
+from .interface import ATTN_IMPLEMENTATION, UnsupportedModelError, paged_attention_forward, register
 from .metadata import DENSE, PAGED, StepMetadata, build_packed_metadata, build_step_metadata
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "DENSE",
     "PAGED",
     "StepMetadata",
+    "UnsupportedModelError",
     "build_packed_metadata",
     "build_step_metadata",
     "paged_attention_forward",

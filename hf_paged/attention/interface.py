@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -59,13 +60,27 @@ class LazyMask:
         return self._built[kind]
 
 
-_pending = threading.local()  # .step: the PAGED step whose forward this thread runs next, else None
+# .step: the PAGED step whose forward this thread runs next, else None; .written: a weak reference to
+# the key blocks the cache last handed a layer in a PAGED step (weak: it must not keep a pool alive).
+_pending = threading.local()
 
 
 def note_paged_step(step: StepMetadata | None) -> None:
     """Set (a PAGED step's forward is about to run in this thread) or clear (it ended, or was dropped)
     what the mask function sees; called by the cache that plans steps."""
     _pending.step = step if step is not None and step.mode == PAGED else None
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be served by "hf_paged" attention at all (not one request's problem, and not
+    transient): a retry would fail the same way, so the engine ends the step's requests at once."""
+
+
+def note_paged_write(keys: torch.Tensor | None) -> None:
+    """Record (or forget, with None) the key blocks the cache just handed a layer in a PAGED step:
+    attention that receives them without the step's metadata was called by a layer that does not
+    pass its keyword arguments on (see `paged_attention_forward`)."""
+    _pending.written = None if keys is None else weakref.ref(keys)
 
 
 def paged_mask(**kwargs) -> "LazyMask | torch.Tensor | None":
@@ -146,6 +161,13 @@ def paged_attention_forward(
             scales=scales,
         )
         return meta.unpack(out), None
+    written = getattr(_pending, "written", None)
+    if written is not None and key is written():
+        raise UnsupportedModelError(
+            f"hf_paged: {type(module).__name__} got the paged cache's K/V blocks without the step's metadata: a "
+            "decoder layer of this model does not pass its keyword arguments on to its attention, so "
+            "attn_implementation='hf_paged' cannot serve it; load it with attn_implementation='sdpa' or 'eager'"
+        )
     return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                             s_aux, **kwargs)
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention import UnsupportedModelError
 from ..core import KVSequence, Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from ..hf import KVOwner
 from ..sampling_params import SamplingParams
@@ -434,8 +435,8 @@ class EngineCore:
                 self.scheduler.preempt(request)
                 self._note_preempted(tracked)
             tracked.num_failures += 1
-            if tracked.num_failures >= MAX_STEP_FAILURES:
-                self.fail(tracked, exc)
+            if tracked.num_failures >= MAX_STEP_FAILURES or isinstance(exc, UnsupportedModelError):
+                self.fail(tracked, exc)  # an unsupported model fails the same way on every retry
 
     def _on_failed_schedule(self, exc: Exception) -> None:
         """Scheduling (or the engine's own bookkeeping around it) raised: undo whatever it began."""

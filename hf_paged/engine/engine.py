@@ -33,7 +33,7 @@ import torch
 from ..attention import ATTN_IMPLEMENTATION
 from ..config import EngineConfig, PagedCacheConfig
 from ..core import KVSequence, Scheduler
-from ..hf import PagedCache, check_model_supported, invalidate, weights_fingerprint
+from ..hf import PagedCache, check_attention_routed, check_model_supported, invalidate, weights_fingerprint
 from ..hf.support import check_paged_attention_supported
 from ..sampling_params import SamplingParams
 from ..spec_decode import make_proposer
@@ -131,6 +131,7 @@ class Engine(BlockingAPI, KeptKVAPI):
         cuda_graph_max_seqlens: SequenceABC[int] | None = EngineConfig.cuda_graph_max_seqlens,
     ):
         check_model_supported(model.config)
+        check_attention_routed(model)  # every decoder layer calls the "hf_paged" function with the step
         check_paged_attention_supported(model.config)  # packed steps need attention over the blocks
         Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:

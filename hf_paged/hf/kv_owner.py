@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..attention import dispatch
-from ..attention.interface import note_paged_step
+from ..attention.interface import note_paged_step, note_paged_write
 from ..attention.kv_quant import KVQuant
 from ..attention.metadata import PAGED, StepMetadata, host_to_device
 from ..attention.torch_paged import Workspace
@@ -206,12 +206,15 @@ class KVOwner:
         slot_mapping = step.slot_mapping_of(layer.group).to(layer.device)
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
                           step.has_skipped_slots, scales=layer.scales, plan=step.plan)
-        if step.mode == PAGED and layer.scales is not None:
-            step.kv_scales[layer_idx] = layer.scales  # the attention finds a layer's scales by its index
+        if step.mode == PAGED:
+            note_paged_write(layer.keys)  # the attention refuses these blocks if the metadata did not come along
+            if layer.scales is not None:
+                step.kv_scales[layer_idx] = layer.scales  # the attention finds a layer's scales by its index
         return layer
 
     def commit(self, new_full_blocks: Sequence[tuple[int, int]]) -> None:
         """Every layer wrote the step's K/V: publish the blocks it filled in the prefix cache."""
+        note_paged_write(None)
         self.manager.commit_full_blocks(new_full_blocks)
 
     def abort(self, reset_prefix_cache: bool = False) -> None:
@@ -223,6 +226,7 @@ class KVOwner:
             self.pool.reset_prefix_cache()
         self.step = None
         note_paged_step(None)
+        note_paged_write(None)
         self.pool.discard_staged()
 
     def step_is_unfinished(self) -> bool:

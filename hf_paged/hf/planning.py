@@ -18,7 +18,7 @@ import torch
 from ..attention.metadata import DENSE, PAGED
 from .cache import PagedCache
 from .padding import is_left_padded
-from .support import check_model_supported, decoder_of
+from .support import check_attention_routed, check_model_supported, decoder_of
 from .weights import weights_fingerprint
 
 _HOOK_ATTR = "_hf_paged_plan_hook"
@@ -32,9 +32,11 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     still gives correct results, but stores padding and uses the dense attention path.
 
     Raises:
-        ValueError: the model type cannot use a paged cache (encoder-decoder, recurrent layers...).
+        ValueError: the model type cannot use a paged cache (encoder-decoder, recurrent layers...), or
+            its attention does not go through transformers' attention interface.
     """
     check_model_supported(model.config)
+    check_attention_routed(model)
     decoder = decoder_of(model)
     if getattr(decoder, _HOOK_ATTR, None) is None:
         params = list(inspect.signature(decoder.forward).parameters)

@@ -27,10 +27,73 @@ def check_model_supported(config) -> None:
             f"hf_paged does not support model_type={text.model_type!r}: its layer types {unsupported} are "
             f"not plain attention (supported: {SUPPORTED_LAYER_TYPES})"
         )
+    reason = cross_attention_refusal(config)
+    if reason is not None:
+        raise ValueError(reason)
     if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):
         raise ValueError(f"hf_paged does not support cross-layer KV sharing (model_type={text.model_type!r})")
     if getattr(text, "num_key_value_heads", None) is None and getattr(text, "num_attention_heads", None) is None:
         raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}")
+
+
+def cross_attention_refusal(config, include_decoder_flag: bool = True) -> str | None:
+    """Why a decoder with cross-attention layers cannot use a paged cache, or None when it has none.
+    A cross-attention layer caches K/V of another input (an image, an encoder's states) in the same
+    `Cache` as its self-attention layers (Mllama's `cross_attention_layers`, Idefics' gated
+    cross-attention every `cross_layer_interval` layers, a decoder configured with
+    `add_cross_attention`); paged blocks hold token positions of one sequence only.
+    `include_decoder_flag=False` leaves the last out: such a decoder inside an encoder-decoder keeps
+    the dense fallback, so it is not refused at load."""
+    text = config.get_text_config(decoder=True)
+    layers = getattr(text, "cross_attention_layers", None)
+    has_cross = (bool(layers) or getattr(config, "cross_layer_interval", None) is not None
+                 or (include_decoder_flag and any(getattr(c, "add_cross_attention", False) for c in (config, text))))
+    if not has_cross:
+        return None
+    return (
+        f"hf_paged does not support decoders with cross-attention layers (model_type={config.model_type!r}): they "
+        "cache K/V of another input (an image or an encoder) beside the tokens', which paged blocks cannot hold; "
+        "load the model with attn_implementation='sdpa' or 'eager'"
+    )
+
+
+def routes_attention(model_class) -> bool:
+    """Whether a transformers model class routes its attention through transformers' attention
+    interface, passing each layer's keyword arguments on to it: what its authors declare with
+    `_supports_attention_backend` (`PreTrainedModel.is_backend_compatible()`, which vLLM's
+    transformers backend also asks). Without it the model computes attention in its own modules, so
+    a registered attention function (ours) is never called, or called without the step's metadata."""
+    return bool(getattr(model_class, "_supports_attention_backend", False))
+
+
+def attention_refusal(model_class, config) -> str | None:
+    """Why `attn_implementation="hf_paged"` cannot serve `model_class` (a `PreTrainedModel` subclass
+    built from `config`), or None when it can. Encoder-decoders keep their dense fallback (None)."""
+    if getattr(config, "is_encoder_decoder", False) or routes_attention(model_class):
+        return None
+    model_type = getattr(config, "model_type", "?")
+    instead = "'sdpa' or 'eager'" if getattr(model_class, "_supports_sdpa", False) else "'eager'"
+    return (
+        f"attn_implementation='hf_paged' cannot serve {model_class.__name__} (model_type={model_type!r}): it does "
+        "not route attention through transformers' attention interface (the class does not declare "
+        "`_supports_attention_backend`), so its layers would compute attention themselves, never read the paged "
+        f"cache and apply a mask in the wrong form. Load it with attn_implementation={instead}"
+    )
+
+
+def check_attention_routed(model) -> None:
+    """Raise ValueError when `model` or its language model (a VLM's) does not route attention through
+    transformers' attention interface (see `attention_refusal`): the engine and `attach` need every
+    decoder layer to call the "hf_paged" function with the step's metadata. Other sub-models (vision
+    towers) never read the paged cache, so their own attention is left alone."""
+    from transformers import PreTrainedModel
+
+    text_config = model.config.get_text_config(decoder=True)
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and (module is model or module.config is text_config):
+            reason = attention_refusal(type(module), model.config if module is model else module.config)
+            if reason is not None:
+                raise ValueError(reason)
 
 
 def has_latent_kv(config) -> bool:

@@ -1,6 +1,8 @@
 """Glue between hf_paged and the code people already run: transformers' `generate`.
 
 * `generate.py`: the version-guarded, reversible patch of `GenerationMixin` (install/uninstall).
+* `load_check.py`: the load-time refusal (in the same reversible patch) of a model whose attention
+  does not go through transformers' attention interface.
 * `batch_generate.py`: a plain batched `model.generate(...)` served by the `Engine`, returning
   exactly what stock returns, or None to fall back to stock.
 

@@ -69,10 +69,11 @@ def install() -> bool:
     original = getattr(GenerationMixin, _TARGET)
     _original = original
     _install_generate()
-    from . import generate_batch, pipeline
+    from . import generate_batch, load_check, pipeline
 
     pipeline.install()
     generate_batch.install()
+    load_check.install()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         result = original(self, generation_config, model_kwargs, *args, **kwargs)
@@ -175,10 +176,11 @@ def uninstall() -> None:
     if _original_generate is not None:
         GenerationMixin.generate = _original_generate
         _original_generate = None
-    from . import generate_batch, pipeline
+    from . import generate_batch, load_check, pipeline
 
     pipeline.uninstall()
     generate_batch.uninstall()
+    load_check.uninstall()
 
 
 def _check_fits(cache: PagedCache, generation_config) -> None:

@@ -1,0 +1,149 @@
+"""Families whose attention does not go through transformers' attention interface are refused with
+one clear ValueError, as early as possible, instead of crashing deep inside or attending wrongly:
+
+* at load (`from_config` / `from_pretrained` with attn_implementation="hf_paged"): MPT, Bloom, XGLM and
+  GPT-NeoX-Japanese used to load and give logits off by ~10 (they compute attention themselves and read
+  our sdpa-form mask as eager's additive one); Falcon, GPT-Neo and GIT failed with `KeyError: 'hf_paged'`
+  from their attention-class tables; StableLM crashed in its first cached forward. Each loads and runs
+  with sdpa, and is refused by the engine too;
+* at the first paged forward: Nemotron declares the attention interface, but its decoder layer drops
+  the keyword arguments, so attention got raw K/V blocks without the step's metadata ("Number of heads
+  in key and value must divide"). Now that is one clear ValueError, and the engine ends the request
+  with it instead of retrying without end.
+Encoder-decoders (T5, BART) keep their identical dense fallback: they are not refused."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+import hf_paged
+from hf_paged import Engine, SamplingParams
+from hf_paged.attention import UnsupportedModelError
+
+V = 128
+REFUSED_AT_LOAD = {
+    "mpt": dict(d_model=32, n_heads=2, n_layers=2, max_seq_len=64, expansion_ratio=2),
+    "bloom": dict(hidden_size=32, n_head=2, n_layer=2),
+    "xglm": dict(d_model=32, attention_heads=2, num_layers=2, ffn_dim=64, max_position_embeddings=64),
+    "gpt_neox_japanese": dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_multiple_size=2,
+                              max_position_embeddings=64),
+    "falcon": dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=2),
+    "gpt_neo": dict(hidden_size=32, num_heads=2, num_layers=2, attention_types=[[["global", "local"], 1]],
+                    max_position_embeddings=64, window_size=16, intermediate_size=64),
+    "stablelm": dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
+                     intermediate_size=64, max_position_embeddings=64),
+    "git": dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=2, intermediate_size=64,
+                max_position_embeddings=64,
+                vision_config=dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, intermediate_size=64,
+                                   image_size=16, patch_size=8)),
+}
+
+
+def _config(model_type: str, **fields):
+    return AutoConfig.for_model(model_type, vocab_size=V, pad_token_id=0, bos_token_id=1, eos_token_id=2, **fields)
+
+
+def _ids():
+    return torch.tensor([[5, 9, 17, 33, 4, 61, 8]])
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED_AT_LOAD))
+def test_a_model_that_computes_its_own_attention_is_refused_at_load(model_type):
+    with pytest.raises(ValueError, match=r"cannot serve \w+ \(model_type='%s'\).*attention interface.*'eager'" % model_type):
+        AutoModelForCausalLM.from_config(_config(model_type, **REFUSED_AT_LOAD[model_type]), attn_implementation="hf_paged")
+    torch.manual_seed(0)  # the way to load it: transformers' default attention
+    model = AutoModelForCausalLM.from_config(_config(model_type, **REFUSED_AT_LOAD[model_type])).eval()
+    with torch.no_grad():
+        assert torch.isfinite(model(_ids()).logits).all()
+    with pytest.raises(ValueError, match="attention interface"):
+        Engine(model)  # an sdpa model handed to the engine: it cannot switch such a model to "hf_paged"
+
+
+def test_nemotron_whose_decoder_layer_drops_the_metadata_is_refused_at_its_first_paged_forward():
+    config = _config("nemotron", hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
+                     intermediate_size=64, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="hf_paged").eval()
+    stock = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    stock.load_state_dict(model.state_dict())
+    with torch.no_grad():  # a plain forward (no cache) is the dense path: exactly sdpa's
+        torch.testing.assert_close(model(_ids()).logits, stock(_ids()).logits, rtol=0, atol=1e-5)
+    engine = Engine(model, max_num_seqs=2)
+    out = engine.generate([[5, 9, 17, 33], [7, 7, 7]], SamplingParams(max_new_tokens=3))
+    assert [o.finish_reason for o in out] == ["error", "error"]
+    assert all(isinstance(o.error, UnsupportedModelError) for o in out)
+    assert "does not pass its keyword arguments on to its attention" in str(out[0].error)
+    assert engine.core.metrics.num_failed_steps == 1  # one failed step, no retries
+    assert engine.cache.pool.num_free_blocks == engine.cache.pool.num_blocks  # the failed step left no trace
+    with pytest.raises(ValueError, match="does not pass its keyword arguments on"):
+        model.generate(_ids(), attention_mask=torch.ones_like(_ids()), max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("model_type", ["t5", "bart"])
+def test_encoder_decoders_keep_their_identical_dense_fallback(model_type):
+    fields = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, decoder_start_token_id=0) if model_type == "t5" else \
+        dict(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+             encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, decoder_start_token_id=2)
+    config = _config(model_type, **fields)
+    torch.manual_seed(0)
+    ours = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="hf_paged").eval()
+    stock = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="sdpa").eval()
+    stock.load_state_dict(ours.state_dict())
+    kwargs = dict(attention_mask=torch.ones_like(_ids()), max_new_tokens=5, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(ours.generate(_ids(), **kwargs), stock.generate(_ids(), **kwargs))
+
+
+def test_the_load_check_is_part_of_the_reversible_patch():
+    hf_paged.integrations.uninstall()
+    try:
+        with pytest.raises(KeyError):  # transformers' own failure, which the check replaces
+            AutoModelForCausalLM.from_config(_config("falcon", **REFUSED_AT_LOAD["falcon"]), attn_implementation="hf_paged")
+    finally:
+        hf_paged.integrations.install()
+    with pytest.raises(ValueError, match="attention interface"):
+        AutoModelForCausalLM.from_config(_config("falcon", **REFUSED_AT_LOAD["falcon"]), attn_implementation="hf_paged")
+
+
+def _mllama_config():
+    from transformers import MllamaConfig
+
+    return MllamaConfig(
+        vision_config=dict(hidden_size=16, num_hidden_layers=1, num_global_layers=1, attention_heads=2,
+                           intermediate_size=32, image_size=16, patch_size=8, max_num_tiles=4, vision_output_dim=32,
+                           intermediate_layers_indices=[0]),
+        text_config=dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                         intermediate_size=64, cross_attention_layers=[1], pad_token_id=0))
+
+
+def _idefics_config():
+    from transformers import IdeficsConfig
+
+    return IdeficsConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         vision_config=dict(embed_dim=32, image_size=16, patch_size=8, num_hidden_layers=1,
+                                            num_attention_heads=2, intermediate_size=64),
+                         perceiver_config=dict(use_resampler=False))
+
+
+@pytest.mark.parametrize("make_config", [_mllama_config, _idefics_config], ids=["mllama", "idefics"])
+def test_a_decoder_with_cross_attention_layers_is_refused_at_load_and_by_the_cache(make_config):
+    """Mllama wrote its cross-attention (image) K/V into the paged cache, and text-only calls then failed
+    with "the previous forward with this PagedCache did not finish"; Idefics' gated cross-attention read
+    the paged metadata."""
+    from transformers import AutoModelForImageTextToText
+
+    from hf_paged import PagedCache
+    from hf_paged.hf import check_model_supported
+
+    with pytest.raises(ValueError, match="cross-attention layers"):
+        check_model_supported(make_config())
+    with pytest.raises(ValueError, match="cross-attention layers"):
+        PagedCache(make_config())
+    with pytest.raises(ValueError, match="cross-attention layers"):
+        AutoModelForImageTextToText.from_config(make_config(), attn_implementation="hf_paged")
+    AutoModelForImageTextToText.from_config(make_config(), attn_implementation="sdpa")  # a valid config: sdpa loads it
