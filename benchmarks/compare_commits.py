@@ -32,8 +32,7 @@ LAUNCHER = """
 import runpy, sys
 from pathlib import Path
 tree, script = Path(sys.argv[1]).resolve(), sys.argv[2]
-sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")
-                    and not type(f).__module__.startswith("__editable__")]
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
 sys.path.insert(0, str(tree))
 import hf_paged
 imported = Path(hf_paged.__file__).resolve()

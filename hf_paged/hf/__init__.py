@@ -20,8 +20,8 @@ from .cache import PagedCache
 from .kv_owner import KVOwner
 from .layer import PagedLayer
 from .planning import attach, detach
-from .support import attention_refusal, check_attention_routed, check_model_supported, decoder_of
+from .support import check_attention_routed, check_model_supported, decoder_of
 from .weights import invalidate, weights_fingerprint
 
-__all__ = ["KVOwner", "PagedCache", "PagedLayer", "attach", "attention_refusal", "check_attention_routed",
-           "check_model_supported", "decoder_of", "detach", "invalidate", "weights_fingerprint"]
+__all__ = ["KVOwner", "PagedCache", "PagedLayer", "attach", "check_attention_routed", "check_model_supported",
+           "decoder_of", "detach", "invalidate", "weights_fingerprint"]

@@ -8,9 +8,10 @@ generates and does not route attention through transformers' attention interface
 the class and what to use instead. Without it such a model either fails deep inside its own layers
 (`KeyError: 'hf_paged'` from Falcon's, GPT-Neo's or GIT's attention-class tables) or, worse, loads and
 attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute attention themselves and read our mask
-in the wrong form); and a decoder with cross-attention layers (Mllama, Idefics), whose K/V of the
-image would land in the paged cache. Sub-models that do not generate (vision towers, encoder stacks) are left alone:
-they never read the paged cache. Reversible (`uninstall`), like the generate patch.
+in the wrong form). A decoder with cross-attention layers (Mllama, Idefics), whose image K/V would
+land in the paged cache, is refused the same way (`hf.support.cross_attention_refusal`). Sub-models
+that do not generate (vision towers, encoder stacks) are left alone: they never read the paged
+cache. Reversible (`uninstall`), like the generate patch.
 """
 
 from __future__ import annotations

@@ -53,8 +53,10 @@ def _ids():
 
 @pytest.mark.parametrize("model_type", sorted(REFUSED_AT_LOAD))
 def test_a_model_that_computes_its_own_attention_is_refused_at_load(model_type):
-    with pytest.raises(ValueError, match=r"cannot serve \w+ \(model_type='%s'\).*attention interface.*'eager'" % model_type):
-        AutoModelForCausalLM.from_config(_config(model_type, **REFUSED_AT_LOAD[model_type]), attn_implementation="hf_paged")
+    refusal = r"cannot serve \w+ \(model_type='%s'\).*attention interface.*'eager'" % model_type
+    with pytest.raises(ValueError, match=refusal):
+        AutoModelForCausalLM.from_config(_config(model_type, **REFUSED_AT_LOAD[model_type]),
+                                         attn_implementation="hf_paged")
     torch.manual_seed(0)  # the way to load it: transformers' default attention
     model = AutoModelForCausalLM.from_config(_config(model_type, **REFUSED_AT_LOAD[model_type])).eval()
     with torch.no_grad():
@@ -103,7 +105,8 @@ def test_the_load_check_is_part_of_the_reversible_patch():
     hf_paged.integrations.uninstall()
     try:
         with pytest.raises(KeyError):  # transformers' own failure, which the check replaces
-            AutoModelForCausalLM.from_config(_config("falcon", **REFUSED_AT_LOAD["falcon"]), attn_implementation="hf_paged")
+            AutoModelForCausalLM.from_config(_config("falcon", **REFUSED_AT_LOAD["falcon"]),
+                                             attn_implementation="hf_paged")
     finally:
         hf_paged.integrations.install()
     with pytest.raises(ValueError, match="attention interface"):
@@ -117,8 +120,8 @@ def _mllama_config():
         vision_config=dict(hidden_size=16, num_hidden_layers=1, num_global_layers=1, attention_heads=2,
                            intermediate_size=32, image_size=16, patch_size=8, max_num_tiles=4, vision_output_dim=32,
                            intermediate_layers_indices=[0]),
-        text_config=dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                         intermediate_size=64, cross_attention_layers=[1], pad_token_id=0))
+        text_config=dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, intermediate_size=64, cross_attention_layers=[1], pad_token_id=0))
 
 
 def _idefics_config():
