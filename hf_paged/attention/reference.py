@@ -66,8 +66,8 @@ def causal_attention(
     scores = torch.einsum("qhd,khd->hqk", query.double(), k) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    pos = (seq_len - q_len + torch.arange(q_len))[:, None]  # query i's position in the sequence
-    p = torch.arange(seq_len)[None, :]  # key positions
+    pos = (seq_len - q_len + torch.arange(q_len, device=query.device))[:, None]  # query i's position in the sequence
+    p = torch.arange(seq_len, device=query.device)[None, :]  # key positions
     allowed = p <= pos
     if sliding_window is not None:
         allowed &= p > pos - sliding_window
