@@ -36,6 +36,9 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
+        """Every sample has ended; samples never forked (the request ended first) count as ended."""
+        if self.unforked_reason is not None:
+            return all(m is None or m.finish_reason is not None for m in self.members)
         return self.forked and all(m is not None and m.finish_reason is not None for m in self.members)
 
 

@@ -233,3 +233,21 @@ def test_a_text_failure_after_some_tokens_ends_only_its_request(monkeypatch, sto
     assert [outs[0].token_ids, outs[2].token_ids] == [stock[0], stock[2]]
     _check_pool(engine)
     assert [o.token_ids for o in engine.generate(prompts, stop)] == stock
+
+
+def test_a_request_of_several_samples_that_fails_before_forking_ends(monkeypatch, stock):
+    """A request with n > 1 whose prompt step fails every time ends with an error for each of its n
+    samples (its others were never forked): before, its group never counted as finished, so no final
+    output came and `generate` (and drop-in generate of repeated prompts) waited forever."""
+    engine = _engine({})
+    injected = Injector(monkeypatch, dispatch, "paged_attention", "always")
+    params = SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, n=3)
+    outs = engine.generate(_prompts()[:2], params)  # returns: nothing hangs
+    monkeypatch.undo()
+    assert injected.raised >= 1
+    for out in outs:
+        assert out.finish_reason == "error" and "injected" in str(out.error)
+        assert [o.finish_reason for o in out.outputs] == ["error"] * 3
+    _check_pool(engine)
+    again = engine.generate(_prompts(), SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW))
+    assert [o.token_ids for o in again] == stock
