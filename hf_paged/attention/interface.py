@@ -42,6 +42,10 @@ class LazyMask:
     """The arguments transformers passed to the mask interface; the dense mask is built on demand
     (once per kind, shared by every layer that receives this object) and never on the paged path."""
 
+    # A model that hands one mask call's result to another (PaliGemma's to its Gemma) has transformers
+    # prepare it again, which reads `ndim` and treats anything but a 2-D padding mask as prepared.
+    ndim = 4
+
     def __init__(self, kwargs: dict):
         self._kwargs = kwargs
         self._built: dict[str, torch.Tensor | None] = {}
@@ -49,8 +53,10 @@ class LazyMask:
     @property
     def is_plain_causal(self) -> bool:
         """False when the model overlaid its own mask function (transformers then asks for vmap
-        expansion), e.g. bidirectional attention among image tokens; the paged path cannot honour it."""
-        return not self._kwargs.get("use_vmap", False)
+        expansion), e.g. bidirectional attention among image tokens, here or in a mask this one was
+        made from; the paged path cannot honour it."""
+        inner = self._kwargs.get("attention_mask")
+        return not self._kwargs.get("use_vmap", False) and (not isinstance(inner, LazyMask) or inner.is_plain_causal)
 
     def build(self, kind: str) -> torch.Tensor | None:
         """The mask transformers' `sdpa` ("sdpa") or `eager` ("eager") implementation would get."""
@@ -76,11 +82,12 @@ class UnsupportedModelError(ValueError):
     transient): a retry would fail the same way, so the engine ends the step's requests at once."""
 
 
-def note_paged_write(keys: torch.Tensor | None) -> None:
-    """Record (or forget, with None) the key blocks the cache just handed a layer in a PAGED step:
-    attention that receives them without the step's metadata was called by a layer that does not
-    pass its keyword arguments on (see `paged_attention_forward`)."""
-    _pending.written = None if keys is None else weakref.ref(keys)
+def note_paged_write(keys: torch.Tensor | None, values: torch.Tensor | None = None) -> None:
+    """Record (or forget, with None) the key and value blocks the cache just handed a layer in a PAGED
+    step. Attention that receives them without the step's metadata was called by a layer that does
+    not pass its keyword arguments on; attention that receives the metadata with other tensors was
+    called by a module that changed the K/V after `cache.update` (see `paged_attention_forward`)."""
+    _pending.written = None if keys is None else (weakref.ref(keys), weakref.ref(values))
 
 
 def paged_mask(**kwargs) -> "LazyMask | torch.Tensor | None":
@@ -120,6 +127,15 @@ def paged_attention_forward(
             )
         if kwargs.get("output_attentions"):
             raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")
+        written = getattr(_pending, "written", None)
+        if written is not None and (key is not written[0]() or value is not written[1]()):
+            raise UnsupportedModelError(
+                f"hf_paged: {type(module).__name__} passes its attention other K/V than the blocks "
+                "PagedCache.update returned (it transforms the cached states after the update, as DiffLlama "
+                "splits its values), and the paged kernels read K/V from the blocks, so they would ignore "
+                "that; attn_implementation='hf_paged' cannot serve this model: load it with "
+                "attn_implementation='sdpa' or 'eager'"
+            )
         meta = paged_metadata
         layer_idx = getattr(module, "layer_idx", None)
         if not isinstance(layer_idx, int):
@@ -162,7 +178,7 @@ def paged_attention_forward(
         )
         return meta.unpack(out), None
     written = getattr(_pending, "written", None)
-    if written is not None and key is written():
+    if written is not None and key is written[0]():
         raise UnsupportedModelError(
             f"hf_paged: {type(module).__name__} got the paged cache's K/V blocks without the step's metadata: a "
             "decoder layer of this model does not pass its keyword arguments on to its attention, so "

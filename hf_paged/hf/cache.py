@@ -230,6 +230,7 @@ class PagedCache(Cache):
         dtype: torch.dtype,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        row_keys: list | None = None,
     ) -> StepMetadata:
         """Allocate slots for one forward of a padded `[batch_size, q_len]` batch and build its metadata.
 
@@ -238,6 +239,8 @@ class PagedCache(Cache):
                 latent attention (`has_latent_kv`) always gets DENSE: it expands the latents itself.
             input_ids: [batch_size, q_len] token ids, for prefix caching; None when unknown.
             attention_mask: [batch_size, past + q_len] 2D padding mask (1 = real token), or None.
+            row_keys: per row, what its new sequence's block hashes are also salted with (the digest of
+                non-text inputs its ids do not name; `planning.multimodal_row_keys`); first forward only.
 
         Raises:
             ValueError: bad batch shape or padding layout, a sequence that can never fit the pool, or
@@ -261,6 +264,11 @@ class PagedCache(Cache):
         if mode == PAGED and kv.kv_dtype is not None:
             dispatch.check_kv_cache_dtype(dtype, kv.kv_dtype, device, kv.cache_config.kv_quant_scheme)
         seqs = self.seqs or [kv.new_sequence(for_paged_steps=False) for _ in range(batch_size)]
+        if row_keys is not None and not self.seqs:
+            if len(row_keys) != batch_size:
+                raise ValueError(f"row_keys has {len(row_keys)} entries for a batch of {batch_size}")
+            for seq, key in zip(seqs, row_keys):
+                seq.extra_key = (seq.extra_key, key)
         real_cols = real_columns(attention_mask, self._num_columns, [seq.num_tokens > 0 for seq in seqs], q_len)
         new_tokens = real_tokens(input_ids, real_cols)
         kv.ensure_free_blocks(seqs, new_tokens, dtype)  # raises before anything changes

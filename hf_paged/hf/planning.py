@@ -11,6 +11,7 @@ and whether the paged or the dense attention path runs.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 
 import torch
@@ -84,7 +85,11 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
             # New sequences are about to be hashed: make sure no prefix computed under other weights
             # can be hit. (Live sequences keep their salt, which new ones never share.)
             cache.kv.note_weights(weights_fingerprint(model))
+        row_keys = None
+        if input_ids is not None and inputs_embeds is None and not cache.seqs:
+            row_keys = multimodal_row_keys({**named, **kwargs}, input_ids)
         meta = cache.plan_step(
+            row_keys=row_keys,
             batch_size=reference.shape[0],
             q_len=reference.shape[1],
             mode=mode,
@@ -98,3 +103,46 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
         return args, kwargs
 
     return plan_hook
+
+
+# Keyword names of non-text inputs a decoder may take beside its ids (Chameleon's `pixel_values`, a
+# precomputed `mm_encoder_outputs`, audio features, grids...).
+_MULTIMODAL_NAMES = ("pixel", "image", "video", "audio", "vision", "mm_", "input_features")
+
+
+def multimodal_row_keys(inputs: dict, input_ids: torch.Tensor) -> list[bytes] | None:
+    """Salts for the rows of a decoder call whose ids are not all of its input: None when the call
+    carries no non-text input, else one digest per row.
+
+    A decoder that takes image placeholders among its ids and the images beside them (Chameleon)
+    computes K/V that depend on the images, which the ids do not name: two rows with the same
+    placeholders but different images must never share a block. Which image feeds which row is the
+    model's own business, so the salt is conservative: a digest of every non-text input and every id
+    of the call, and the row's index. A block is then reused only by the same row of the same call
+    made again (its images, and the ids that place them, all equal)."""
+    tensors = []
+    for name in sorted(inputs):
+        if any(part in name for part in _MULTIMODAL_NAMES):
+            _collect_tensors(inputs[name], tensors)
+    if not tensors:
+        return None
+    digest = hashlib.blake2b(digest_size=16)
+    for t in [input_ids, *tensors]:
+        t = t.detach().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b"")
+    call = digest.digest()
+    return [call + row.to_bytes(4, "little") for row in range(input_ids.shape[0])]
+
+
+def _collect_tensors(value, out: list) -> None:
+    if torch.is_tensor(value):
+        out.append(value)
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            _collect_tensors(value[key], out)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _collect_tensors(item, out)
+    elif hasattr(value, "to_tuple"):  # a ModelOutput (precomputed encoder outputs)
+        _collect_tensors(value.to_tuple(), out)

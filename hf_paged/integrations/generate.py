@@ -23,7 +23,9 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+import weakref
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import DynamicCache
@@ -93,6 +95,7 @@ def install() -> bool:
             )
         elif self.config._attn_implementation == "hf_paged" and cache is not None and not isinstance(cache, PagedCache):
             _warn_once(
+                self,
                 f"hf_paged: generate is using {type(cache).__name__} (cache_implementation="
                 f"{generation_config.cache_implementation!r}), not a PagedCache; attention takes the dense path"
             )
@@ -158,7 +161,7 @@ def _generate_without_paging(model, original_generate, *args, **kwargs):
     read a fixed-shape cache. The model's attention is "hf_paged" again afterwards. While this call
     runs, other threads using the same model object see that attention too."""
     fallback = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
-    _warn_once(f"hf_paged: a static (compileable) cache turns paging off for this generate call; it runs "
+    _warn_once(model, f"hf_paged: a static (compileable) cache turns paging off for this generate call; it runs "
                f"transformers' {fallback} attention with that cache")
     model.set_attn_implementation(fallback)
     try:
@@ -195,10 +198,13 @@ def _check_fits(cache: PagedCache, generation_config) -> None:
         )
 
 
-_warned: set[str] = set()
+# Per model, the warnings it has given: each once per model (a second model of the same kind warns
+# again; the first never repeats itself).
+_warned: "weakref.WeakKeyDictionary[torch.nn.Module, set[str]]" = weakref.WeakKeyDictionary()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def _warn_once(model, message: str) -> None:
+    given = _warned.setdefault(model, set())
+    if message not in given:
+        given.add(message)
         warnings.warn(message, stacklevel=3)

@@ -9,10 +9,14 @@ one clear ValueError, as early as possible, instead of crashing deep inside or a
 * at the first paged forward: Nemotron declares the attention interface, but its decoder layer drops
   the keyword arguments, so attention got raw K/V blocks without the step's metadata ("Number of heads
   in key and value must divide"). Now that is one clear ValueError, and the engine ends the request
-  with it instead of retrying without end.
+  with it instead of retrying without end. DiffLlama passes the metadata, but splits the values the
+  cache returned before attention, which the paged kernels (reading the blocks) ignored: its greedy
+  tokens differed from stock's from the first one. Now it is refused the same way.
 Encoder-decoders (T5, BART) keep their identical dense fallback: they are not refused."""
 
 from __future__ import annotations
+
+import copy
 
 import warnings
 
@@ -69,8 +73,9 @@ def test_nemotron_whose_decoder_layer_drops_the_metadata_is_refused_at_its_first
     config = _config("nemotron", hidden_size=32, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=2,
                      intermediate_size=64, head_dim=16, max_position_embeddings=64)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="hf_paged").eval()
-    stock = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    # A config each: `from_config` keeps the config object, and the attention choice with it.
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged").eval()
+    stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
     stock.load_state_dict(model.state_dict())
     with torch.no_grad():  # a plain forward (no cache) is the dense path: exactly sdpa's
         torch.testing.assert_close(model(_ids()).logits, stock(_ids()).logits, rtol=0, atol=1e-5)
@@ -92,8 +97,9 @@ def test_encoder_decoders_keep_their_identical_dense_fallback(model_type):
              encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, decoder_start_token_id=2)
     config = _config(model_type, **fields)
     torch.manual_seed(0)
-    ours = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="hf_paged").eval()
-    stock = AutoModelForSeq2SeqLM.from_config(config, attn_implementation="sdpa").eval()
+    ours = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged").eval()
+    stock = AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    assert ours.config._attn_implementation == "hf_paged" and stock.config._attn_implementation == "sdpa"
     stock.load_state_dict(ours.state_dict())
     kwargs = dict(attention_mask=torch.ones_like(_ids()), max_new_tokens=5, do_sample=False)
     with warnings.catch_warnings():
@@ -150,3 +156,37 @@ def test_a_decoder_with_cross_attention_layers_is_refused_at_load_and_by_the_cac
     with pytest.raises(ValueError, match="cross-attention layers"):
         AutoModelForImageTextToText.from_config(make_config(), attn_implementation="hf_paged")
     AutoModelForImageTextToText.from_config(make_config(), attn_implementation="sdpa")  # a valid config: sdpa loads it
+
+
+def test_the_encoder_decoder_fallback_warns_once_per_model():
+    """Each model warns on its first fallback call, then never again; a second model warns too (a
+    warning once per process would have left it silent)."""
+    fields = dict(d_model=32, num_layers=1, num_heads=2, d_ff=64, decoder_start_token_id=0)
+    models = [AutoModelForSeq2SeqLM.from_config(_config("t5", **fields), attn_implementation="hf_paged").eval()
+              for _ in range(2)]
+    kwargs = dict(attention_mask=torch.ones_like(_ids()), max_new_tokens=2, do_sample=False)
+    counts = []
+    for model in (models[0], models[0], models[1], models[1]):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.generate(_ids(), **kwargs)
+        counts.append(sum("not a PagedCache" in str(w.message) for w in caught))
+    assert counts == [1, 0, 1, 0]
+
+
+def test_diffllama_which_transforms_the_cached_values_is_refused_at_its_first_paged_forward():
+    config = _config("diffllama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged").eval()
+    stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    stock.load_state_dict(model.state_dict())
+    with torch.no_grad():  # the dense path (no cache) is exactly sdpa's
+        torch.testing.assert_close(model(_ids()).logits, stock(_ids()).logits, rtol=0, atol=1e-5)
+    with pytest.raises(UnsupportedModelError, match="other K/V than the blocks"):
+        model.generate(_ids(), attention_mask=torch.ones_like(_ids()), max_new_tokens=3, do_sample=False)
+    engine = Engine(model, max_num_seqs=2)
+    out = engine.generate([[5, 9, 17, 33], [7, 7, 7]], SamplingParams(max_new_tokens=3))
+    assert [o.finish_reason for o in out] == ["error", "error"]
+    assert engine.core.metrics.num_failed_steps == 1  # no retries
+    assert engine.cache.pool.num_free_blocks == engine.cache.pool.num_blocks

@@ -1,0 +1,70 @@
+"""The standing sweep over every model family the installed transformers can generate with
+(`family_sweep.py`): each one identical to stock through hf_paged, refused clearly, or a known and
+explained open defect; and the README's architecture list is the sweep's own result."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+import family_sweep
+from family_sweep import KNOWN, readme_block, run_sweep
+
+README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+
+# The families the issue (32) names, as they must come out (Idefics, which stock cannot run without
+# images, is refused in test_attention_routing.py).
+MUST = {
+    "identical": ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "cohere", "cohere2", "olmo2",
+                  "granite", "starcoder2", "gemma", "phi", "gpt2", "gpt_neox", "gptj", "smollm3", "opt",
+                  "deepseek_v3", "moshi", "llava", "qwen2_vl", "qwen2_5_vl", "smolvlm", "paligemma", "gemma3"],
+    "refused": ["mpt", "bloom", "xglm", "gpt_neox_japanese", "stablelm", "mllama", "falcon", "git",
+                "diffllama"],
+}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return run_sweep()
+
+
+def test_no_family_differs_or_crashes_unexplained(outcomes):
+    surprises = [o for o in outcomes if o.kind in ("different", "crash") and (o.model_type, o.mapping) not in KNOWN]
+    assert not surprises, "\n".join(f"{o.kind} {o.model_type} ({o.mapping}): {o.detail}" for o in surprises)
+    for (model_type, mapping), (kind, _) in KNOWN.items():  # a known defect fixed (or changed) is noticed
+        got = next(o for o in outcomes if (o.model_type, o.mapping) == (model_type, mapping))
+        assert got.kind == kind, f"{model_type} ({mapping}) is now {got.kind}: update KNOWN and the README"
+
+
+def test_the_named_families_come_out_as_they_must(outcomes):
+    kinds = {}
+    for o in outcomes:
+        kinds.setdefault(o.model_type, set()).add(o.kind)
+    for kind, names in MUST.items():
+        wrong = [n for n in names if kinds.get(n) != {kind}]
+        assert not wrong, f"expected {kind}: {[(n, kinds.get(n)) for n in wrong]}"
+
+
+def test_refusals_name_hf_paged_and_what_to_use(outcomes):
+    for o in outcomes:
+        if o.kind == "refused":
+            assert "hf_paged" in o.detail, o
+
+
+def test_the_readme_list_is_the_sweeps_result(outcomes):
+    text = README.read_text()
+    block = readme_block(outcomes)
+    assert block in text, ("README.md's architecture list is stale: run `python tests/hf/family_sweep.py --readme`\n"
+                           + block)
+
+
+def test_tiny_config_shrinks_sub_configs_and_per_layer_lists():
+    from transformers import Gemma3Config, Qwen2VLConfig
+
+    gemma = family_sweep.tiny_config(Gemma3Config)
+    assert gemma.text_config.hidden_size == 32 and gemma.vision_config.hidden_size == 32
+    assert len(gemma.text_config.layer_types) == gemma.text_config.num_hidden_layers == 2
+    assert set(gemma.text_config.layer_types) == {"sliding_attention", "full_attention"}
+    qwen = family_sweep.tiny_config(Qwen2VLConfig)
+    assert sum(qwen.text_config.rope_parameters["mrope_section"]) == 4  # head_dim 8 / 2
