@@ -46,7 +46,7 @@ class PagedLayer(CacheLayerMixin):
                 raise ValueError(
                     f"hf_paged: layers sharing KV storage slot {self.slot} differ in K/V shape, dtype or device "
                     f"({tuple(owner.keys.shape)} {owner.keys.dtype} vs {shape} {dtype}); this model's sliding and "
-                    "full layers cannot share one block pool"
+                    "full layers cannot share one block pool; load it with attn_implementation='sdpa' or 'eager'"
                 )
             self.keys, self.values = owner.keys, owner.values
             if owner.scales is not None:

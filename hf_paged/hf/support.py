@@ -25,15 +25,20 @@ def check_model_supported(config) -> None:
     if unsupported:
         raise ValueError(
             f"hf_paged does not support model_type={text.model_type!r}: its layer types {unsupported} are "
-            f"not plain attention (supported: {SUPPORTED_LAYER_TYPES})"
+            f"not plain attention (supported: {SUPPORTED_LAYER_TYPES}); {_INSTEAD}"
         )
     reason = cross_attention_refusal(config)
     if reason is not None:
         raise ValueError(reason)
     if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):
-        raise ValueError(f"hf_paged does not support cross-layer KV sharing (model_type={text.model_type!r})")
+        raise ValueError(f"hf_paged does not support cross-layer KV sharing (model_type={text.model_type!r}): "
+                         f"a layer that reads another layer's K/V has no blocks of its own; {_INSTEAD}")
     if getattr(text, "num_key_value_heads", None) is None and getattr(text, "num_attention_heads", None) is None:
-        raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}")
+        raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}; "
+                         f"{_INSTEAD}")
+
+
+_INSTEAD = "load the model with attn_implementation='sdpa' or 'eager' instead"
 
 
 def cross_attention_refusal(config, include_decoder_flag: bool = True) -> str | None:

@@ -9,8 +9,9 @@ where the class has no sdpa) and hf_paged. It checks
 - greedy `generate` on a left-padded batch whose first and third rows repeat one prompt (so the prefix
   cache serves a full block), token for token;
 - a plain forward without a cache (what training and log-likelihood evaluation run), logits close;
-- for vision-language models whose image inputs it can build (`image_inputs`): two rows with the same
-  text and the same image placeholders but different images, token for token.
+- for vision-language models whose image inputs it can build (`image_inputs`: one fixed image size,
+  features from the model's own `get_image_features`): three rows with the same text and the same
+  image placeholders, images A, B, A, token for token.
 
 Each family ends in one class (`Outcome.kind`):
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import sys
 import time
@@ -89,9 +91,17 @@ def tiny_config(config_class, base=None):
         keep = list(range(min(depth or 2, 2)))
     kwargs = {}
     for key, default in values.items():
-        sub = getattr(base, key, None)
+        try:
+            sub = getattr(base, key, None)
+        except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma 4's head_dim) refuses global reads
+            sub = None
         if hasattr(sub, "to_dict") and hasattr(type(sub), "model_type"):
             kwargs[key] = tiny_config(type(sub), sub).to_dict()
+            continue
+        if isinstance(default, dict) and default and depth and all(
+                str(k).isdigit() and int(k) < depth for k in default):
+            # Per-layer overrides keyed by layer index (Gemma 4's `per_layer_config`): the kept layers', renumbered.
+            kwargs[key] = {type(k)(keep.index(int(k))): v for k, v in default.items() if int(k) in keep}
             continue
         if isinstance(default, list) and depth and len(default) == depth and depth > 1:
             kept = [default[i] for i in keep]
@@ -133,7 +143,15 @@ def tiny_config(config_class, base=None):
     merged = {**values, **kwargs}
     merged.pop("model_type", None)
     merged.pop("transformers_version", None)
-    return config_class(**merged)
+    config = config_class(**merged)
+    # A default whose image placeholder id lies past its text vocabulary (LLaVA's 32000 of 32000) gets a
+    # vocabulary that holds it, as every released checkpoint's does.
+    placeholder = _image_token_id(config)
+    text = config.get_text_config(decoder=True)
+    if placeholder is not None and text is not config and isinstance(getattr(text, "vocab_size", None), int) \
+            and placeholder >= text.vocab_size:
+        text.vocab_size = placeholder + 64
+    return config
 
 
 def _special_ids(config) -> set[int]:
@@ -251,7 +269,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
                 checks.append("forward")
     except Exception as exc:  # noqa: BLE001
         if _is_refusal(exc):
-            return done("refused", str(exc).split(";")[0][:300], checks)
+            return done("refused", str(exc)[:400], checks)
         return done("crash", f"{type(exc).__name__}: {str(exc)[:300]}", checks)
     if got.shape != want.shape or got_logits.shape != want_logits.shape:
         return done("different", f"shapes: generate {tuple(got.shape)} vs {tuple(want.shape)}, logits "
@@ -264,6 +282,29 @@ def run_family(model_type: str, mapping: str) -> Outcome:
     worst = (got_logits[live] - want_logits[live]).abs().max().item()
     if not math.isfinite(worst) or worst > LOGITS_ATOL:
         return done("different", f"forward: max |logit diff| {worst:.2e} > {LOGITS_ATOL}", checks)
+    if mapping != "causal":
+        try:  # stock runs the image rows first: a failure there is the builder's or stock's, not ours
+            image_ids, image_mask, images = image_inputs(stock, config, rows)
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                want = stock.generate(input_ids=image_ids, attention_mask=image_mask, **images, **gen)
+        except Exception as exc:  # noqa: BLE001
+            checks.append(f"images not built: {type(exc).__name__}")
+        else:
+            try:
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    got = paged.generate(input_ids=image_ids, attention_mask=image_mask, **images, **gen)
+            except Exception as exc:  # noqa: BLE001
+                if _is_refusal(exc):
+                    return done("refused", "with images: " + str(exc)[:400], checks)
+                return done("crash", f"with images: {type(exc).__name__}: {str(exc)[:280]}", checks)
+            if not torch.equal(got, want):
+                row = int((got != want).any(-1).nonzero()[0])
+                width = image_ids.shape[1]
+                return done("different", f"images: row {row} {got[row, width:].tolist()} vs stock "
+                                         f"{want[row, width:].tolist()}", checks)
+            checks.append("images")
     fallback = [str(w.message) for w in caught if "dense" in str(w.message) or "fallback" in str(w.message)]
     if fallback:
         return done("fallback", fallback[0][:200], checks)
@@ -310,7 +351,9 @@ def readme_block(outcomes: list[Outcome]) -> str:
         if not chosen:
             continue
         def name(o):
-            return o.model_type + (" (VLM)" if o.mapping != "causal" else "")
+            if o.mapping == "causal":
+                return o.model_type
+            return o.model_type + (" (VLM, with images)" if "images" in o.checks else " (VLM)")
         if kind in ("crash", "different", "fallback"):
             items = [f"{name(o)}: {KNOWN.get((o.model_type, o.mapping), (kind, o.detail))[1]}" for o in chosen]
             lines.append(f"- **{title}** ({len(chosen)}):")
@@ -319,6 +362,55 @@ def readme_block(outcomes: list[Outcome]) -> str:
             lines.append(f"- **{title}** ({len(chosen)}): " + ", ".join(name(o) for o in chosen) + ".")
     lines += ["", README_END]
     return "\n".join(lines)
+
+
+def _image_token_id(config) -> int | None:
+    for key in ("image_token_id", "image_token_index"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def image_inputs(model, config, rows: list[list[int]]):
+    """(ids, attention mask, image kwargs) for `rows` of text, each with one image's placeholders after
+    its first 3 ids, images [A, B, A] (A, B different): for a VLM with one fixed image size, whose image
+    features the model's own `get_image_features` gives (its placeholder count per image is read from
+    them). Images go as `[n, C, H, W]`, or `[n, 1, C, H, W]` where the model wants images per row
+    (Idefics3, SmolVLM), with `image_sizes` where its signature asks for them (LLaVA-NeXT, Mistral 3).
+    Raises when the family needs more than that (grids, tiles, token types)."""
+    vision = getattr(config, "vision_config", None)
+    image_token = _image_token_id(config)
+    size = getattr(vision, "image_size", None)
+    size = size if isinstance(size, int) else size[0] if isinstance(size, (list, tuple)) else None
+    if vision is None or image_token is None or size is None:
+        raise ValueError("no fixed image size or image token in the config")
+    channels = getattr(vision, "num_channels", 3)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, channels, size, size, generator=gen)
+    wants_sizes = "image_sizes" in inspect.signature(model.get_image_features).parameters
+    error = None
+    for pixels in (torch.stack([a, b, a]), torch.stack([a, b, a])[:, None]):
+        extra = {"image_sizes": torch.tensor([[size, size]] * 3)} if wants_sizes else {}
+        try:
+            with torch.no_grad():
+                features = model.get_image_features(pixel_values=pixels[:1],
+                                                    **{k: v[:1] for k, v in extra.items()})
+        except (ValueError, RuntimeError) as exc:
+            error = exc
+            continue
+        break
+    else:
+        raise error
+    features = getattr(features, "pooler_output", features)
+    if isinstance(features, (list, tuple)):
+        features = torch.cat([f.reshape(-1, f.shape[-1]) for f in features])
+    width = config.get_text_config(decoder=True).hidden_size
+    if features.numel() % width:
+        raise ValueError(f"image features of {features.numel()} values do not divide the text width {width}")
+    count = features.numel() // width
+    ids = torch.tensor([rows[0][:3] + [image_token] * count + rows[0][3:]] * 3)
+    return ids, torch.ones_like(ids), {"pixel_values": pixels, **extra}
 
 
 def families() -> list[tuple[str, str]]:
@@ -338,17 +430,23 @@ def run_sweep(only: set[str] | None = None, echo: bool = False) -> list[Outcome]
 
     import transformers
 
+    verbosity, ours = transformers.logging.get_verbosity(), logging.getLogger("hf_paged")
+    level = ours.level
     transformers.logging.set_verbosity_error()
-    logging.getLogger("hf_paged").setLevel(logging.ERROR)
+    ours.setLevel(logging.ERROR)
     outcomes = []
-    for model_type, mapping in families():
-        if only and model_type not in only:
-            continue
-        out = run_family(model_type, mapping)
-        outcomes.append(out)
-        if echo:
-            print(f"{out.kind:10s} {out.seconds:5.2f}s {mapping[:6]:6s} {model_type:28s} {out.detail[:150]}",
-                  flush=True)
+    try:
+        for model_type, mapping in families():
+            if only and model_type not in only:
+                continue
+            out = run_family(model_type, mapping)
+            outcomes.append(out)
+            if echo:
+                print(f"{out.kind:10s} {out.seconds:5.2f}s {mapping[:6]:6s} {model_type:28s} {out.detail[:150]}",
+                      flush=True)
+    finally:  # the rest of a test session logs as before
+        transformers.logging.set_verbosity(verbosity)
+        ours.setLevel(level)
     return outcomes
 
 

@@ -49,7 +49,7 @@ def test_the_named_families_come_out_as_they_must(outcomes):
 def test_refusals_name_hf_paged_and_what_to_use(outcomes):
     for o in outcomes:
         if o.kind == "refused":
-            assert "hf_paged" in o.detail, o
+            assert "hf_paged" in o.detail and ("'sdpa'" in o.detail or "'eager'" in o.detail), o
 
 
 def test_the_readme_list_is_the_sweeps_result(outcomes):
@@ -68,3 +68,8 @@ def test_tiny_config_shrinks_sub_configs_and_per_layer_lists():
     assert set(gemma.text_config.layer_types) == {"sliding_attention", "full_attention"}
     qwen = family_sweep.tiny_config(Qwen2VLConfig)
     assert sum(qwen.text_config.rope_parameters["mrope_section"]) == 4  # head_dim 8 / 2
+
+
+def test_vlms_are_checked_with_images(outcomes):
+    with_images = {o.model_type for o in outcomes if o.mapping != "causal" and "images" in o.checks}
+    assert {"llava", "paligemma", "mistral3"} <= with_images, with_images
