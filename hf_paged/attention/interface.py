@@ -82,12 +82,14 @@ class UnsupportedModelError(ValueError):
     transient): a retry would fail the same way, so the engine ends the step's requests at once."""
 
 
-def note_paged_write(keys: torch.Tensor | None, values: torch.Tensor | None = None) -> None:
-    """Record (or forget, with None) the key and value blocks the cache just handed a layer in a PAGED
-    step. Attention that receives them without the step's metadata was called by a layer that does
-    not pass its keyword arguments on; attention that receives the metadata with other tensors was
-    called by a module that changed the K/V after `cache.update` (see `paged_attention_forward`)."""
-    _pending.written = None if keys is None else (weakref.ref(keys), weakref.ref(values))
+def note_paged_write(keys: torch.Tensor | None, values: torch.Tensor | None = None,
+                     step: StepMetadata | None = None) -> None:
+    """Record (or forget, with None) the key and value blocks the cache just handed a layer in `step`, a
+    PAGED step. Attention that receives them without the step's metadata was called by a layer that
+    does not pass its keyword arguments on; attention that receives that step's metadata with other
+    tensors was called by a module that changed the K/V after `cache.update` (see
+    `paged_attention_forward`). Weak references: a record never keeps a pool or a step alive."""
+    _pending.written = None if keys is None else (weakref.ref(keys), weakref.ref(values), weakref.ref(step))
 
 
 def paged_mask(**kwargs) -> "LazyMask | torch.Tensor | None":
@@ -128,7 +130,8 @@ def paged_attention_forward(
         if kwargs.get("output_attentions"):
             raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")
         written = getattr(_pending, "written", None)
-        if written is not None and (key is not written[0]() or value is not written[1]()):
+        if written is not None and written[2]() is paged_metadata and (
+                key is not written[0]() or value is not written[1]()):
             raise UnsupportedModelError(
                 f"hf_paged: {type(module).__name__} passes its attention other K/V than the blocks "
                 "PagedCache.update returned (it transforms the cached states after the update, as DiffLlama "

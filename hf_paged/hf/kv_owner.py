@@ -207,7 +207,7 @@ class KVOwner:
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
                           step.has_skipped_slots, scales=layer.scales, plan=step.plan)
         if step.mode == PAGED:
-            note_paged_write(layer.keys, layer.values)  # the attention checks what reaches it (see there)
+            note_paged_write(layer.keys, layer.values, step)  # the attention checks what reaches it (see there)
             if layer.scales is not None:
                 step.kv_scales[layer_idx] = layer.scales  # the attention finds a layer's scales by its index
         return layer

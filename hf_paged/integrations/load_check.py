@@ -5,7 +5,9 @@ transformers resolves a model's attention implementation in `PreTrainedModel.__i
 `set_attn_implementation`. This wraps that method: when it resolves to "hf_paged" for a class that
 generates and does not route attention through transformers' attention interface
 (`hf.support.attention_refusal`), `from_pretrained` / `from_config` raise one ValueError that names
-the class and what to use instead. Without it such a model either fails deep inside its own layers
+the class and what to use instead. A module whose attention-class table has no "hf_paged" key (a
+vision encoder's, inside a model that otherwise routes its attention) is refused the same way, by the
+loaders. Without these, such a model either fails deep inside its own layers
 (`KeyError: 'hf_paged'` from Falcon's, GPT-Neo's or GIT's attention-class tables) or, worse, loads and
 attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute attention themselves and read our mask
 in the wrong form). A decoder with cross-attention layers (Mllama, Idefics), whose image K/V would
@@ -24,15 +26,20 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..hf.support import attention_refusal, cross_attention_refusal
 
 _original = None
+_original_loaders: dict[str, classmethod] = {}
+_LOADERS = ("_from_config", "from_pretrained")
 
 
 def install() -> None:
-    """Wrap `PreTrainedModel.get_correct_attn_implementation` (idempotent)."""
+    """Wrap `PreTrainedModel.get_correct_attn_implementation` and the two loaders (idempotent)."""
     global _original
     if _original is not None:
         return
     original = PreTrainedModel.get_correct_attn_implementation
     _original = original
+    for name in _LOADERS:
+        _original_loaders[name] = PreTrainedModel.__dict__[name]
+        setattr(PreTrainedModel, name, classmethod(_refusing_class_tables(_original_loaders[name].__func__)))
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
@@ -47,8 +54,32 @@ def install() -> None:
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
 
 
+def _refusing_class_tables(load):
+    """`load` (a loader's function), turning the `KeyError: 'hf_paged'` of a module that looks its
+    attention class up in its own table (Falcon's, GPT-Neo's, a SAM vision encoder's) into one
+    ValueError that names the class and what to use instead."""
+
+    @functools.wraps(load)
+    def loader(cls, *args, **kwargs):
+        try:
+            return load(cls, *args, **kwargs)
+        except KeyError as exc:
+            if exc.args != (ATTN_IMPLEMENTATION,):
+                raise
+            raise ValueError(
+                f"attn_implementation='hf_paged' cannot serve {cls.__name__}: one of its modules picks its attention "
+                "class from a table of its own, which has no 'hf_paged' entry (it does not use transformers' "
+                "attention interface); load it with attn_implementation='sdpa' or 'eager'"
+            ) from exc
+
+    return loader
+
+
 def uninstall() -> None:
     global _original
     if _original is not None:
         PreTrainedModel.get_correct_attn_implementation = _original
         _original = None
+    for name, loader in _original_loaders.items():
+        setattr(PreTrainedModel, name, loader)
+    _original_loaders.clear()

@@ -190,3 +190,23 @@ def test_diffllama_which_transforms_the_cached_values_is_refused_at_its_first_pa
     assert [o.finish_reason for o in out] == ["error", "error"]
     assert engine.core.metrics.num_failed_steps == 1  # no retries
     assert engine.cache.pool.num_free_blocks == engine.cache.pool.num_blocks
+
+
+def test_a_submodule_whose_attention_class_table_lacks_our_key_is_refused_at_load():
+    """UnlimitedOCR routes its text attention, but its SAM vision encoder picks its attention class from
+    a table of its own: `KeyError: 'hf_paged'` deep inside `__init__` before; one ValueError now, from
+    both loaders, and transformers' own KeyError again once the patch is uninstalled."""
+    from transformers import AutoModelForImageTextToText
+
+    from family_sweep import tiny_config
+
+    config = tiny_config(type(AutoConfig.for_model("unlimited_ocr")))
+    with pytest.raises(ValueError, match="table of its own, which has no 'hf_paged' entry"):
+        AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
+    AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="sdpa")  # loads with sdpa
+    hf_paged.integrations.uninstall()
+    try:
+        with pytest.raises(KeyError):
+            AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
+    finally:
+        hf_paged.integrations.install()
