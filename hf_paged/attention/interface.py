@@ -66,8 +66,8 @@ class LazyMask:
         return self._built[kind]
 
 
-# .step: the PAGED step whose forward this thread runs next, else None; .written: a weak reference to
-# the key blocks the cache last handed a layer in a PAGED step (weak: it must not keep a pool alive).
+# .step: the PAGED step whose forward this thread runs next, else None; .written: weak references to
+# the key and value blocks the cache last handed a layer in a PAGED step, and to that step.
 _pending = threading.local()
 
 
