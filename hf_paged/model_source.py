@@ -27,7 +27,8 @@ class ModelFromPath:
             built = getattr(importlib.import_module(module), name)(attn_implementation="hf_paged")
             model, tokenizer = built if isinstance(built, tuple) else (built, None)
             return (None, tokenizer) if tokenizer_only else (model, tokenizer)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+        from transformers.models.auto import modeling_auto
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
@@ -35,5 +36,22 @@ class ModelFromPath:
             tokenizer = None
         if tokenizer_only:
             return None, tokenizer
-        return AutoModelForCausalLM.from_pretrained(self.path, attn_implementation="hf_paged",
-                                                    local_files_only=True), tokenizer
+        model_type = AutoConfig.from_pretrained(self.path, local_files_only=True).model_type
+        auto = AutoModelForCausalLM
+        if (model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+                and model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+            auto = AutoModelForImageTextToText  # a vision-language model (LLaVA, Mistral 3, ...)
+        return auto.from_pretrained(self.path, attn_implementation="hf_paged", local_files_only=True), tokenizer
+
+    def processor(self):
+        """The folder's multimodal processor (transformers' `AutoProcessor`), or None: a factory, the
+        default model, or a folder whose processor handles text only."""
+        if not os.path.isdir(self.path):
+            return None
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(self.path, local_files_only=True)
+        except (OSError, ValueError, TypeError):
+            return None
+        return processor if getattr(processor, "image_processor", None) is not None else None

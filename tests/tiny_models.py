@@ -131,3 +131,64 @@ def tiny_paged_llama():
     """A picklable model factory (module level): the tiny Llama with the hf_paged attention, for
     engines that build their model in other processes."""
     return tiny_model("llama", "hf_paged")
+
+
+# ---------------------------------------------------------------------------------- vision-language
+IMAGE_TOKEN = VOCAB - 1  # the placeholder id of the tiny VLMs (never drawn for text by the tests)
+
+
+def _vlm_config(model_type: str):
+    from transformers import CLIPVisionConfig, LlavaConfig, Mistral3Config, PixtralVisionConfig
+
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                  patch_size=8)
+    text = dict(_COMMON, num_hidden_layers=2)
+    if model_type == "llava":  # 16 placeholders per 32x32 image (CLS dropped)
+        return LlavaConfig(vision_config=CLIPVisionConfig(**vision, projection_dim=32), text_config=LlamaConfig(**text),
+                           image_token_id=IMAGE_TOKEN, vision_feature_layer=-1,
+                           vision_feature_select_strategy="default")
+    if model_type == "mistral3":  # (height / 16) * (width / 16) placeholders per image: sizes vary
+        return Mistral3Config(vision_config=PixtralVisionConfig(**vision, head_dim=8), text_config=MistralConfig(**text),
+                              image_token_index=IMAGE_TOKEN, spatial_merge_size=2, vision_feature_layer=-1)
+    raise KeyError(model_type)
+
+
+def tiny_vlm(model_type: str, attn_implementation: str = "sdpa", seed: int = 0):
+    """A tiny vision-language model (`llava`, `mistral3`) with random weights; the same seed gives the
+    same weights whatever the attention."""
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    return AutoModelForImageTextToText.from_config(_vlm_config(model_type),
+                                                   attn_implementation=attn_implementation).eval()
+
+
+def tiny_images(num: int, size: int = 32, seed: int = 0) -> torch.Tensor:
+    """`num` different images, [num, 3, size, size]."""
+    return torch.randn(num, 3, size, size, generator=torch.Generator().manual_seed(seed))
+
+
+# A chat template for the tiny processor: each image part becomes "<image>", which the processor expands.
+_VLM_CHAT_TEMPLATE = (
+    "{% for m in messages %}w4 {% if m.content is string %}{{ m.content }}{% else %}"
+    "{% for p in m.content %}{% if p.type == 'image' %}<image> {% else %}{{ p.text }} {% endif %}{% endfor %}"
+    "{% endif %} w3 {% endfor %}{% if add_generation_prompt %}w4 {% endif %}"
+)
+
+
+def tiny_llava_processor():
+    """A `LlavaProcessor` for `tiny_vlm("llava")`: a word-level tokenizer ("w<id>" is id <id>, "<image>" the
+    placeholder), 32x32 images (16 placeholders each), and a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 1)}
+    vocab["<image>"] = IMAGE_TOKEN
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="w1", eos_token="w2", pad_token="w0",
+                                        unk_token="w3", extra_special_tokens={"image_token": "<image>"})
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, num_additional_image_tokens=1,
+                          vision_feature_select_strategy="default", chat_template=_VLM_CHAT_TEMPLATE)

@@ -376,7 +376,7 @@ class BlockManager:
         hashes, parent = [], None
         while (len(hashes) + 1) * bs <= len(token_ids):
             i = len(hashes)
-            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], seq.extra_key)
+            parent = hash_block_tokens(parent, token_ids[i * bs : (i + 1) * bs], seq.block_key(i, bs))
             if any(pool.lookup(self._key(g, parent)) is None for g in full):
                 break
             hashes.append(parent)
@@ -416,7 +416,7 @@ class BlockManager:
             if offset == 0:
                 chunk = token_ids[i : i + bs]
                 if caching and len(chunk) == bs:
-                    block_hash = hash_block_tokens(seq.last_block_hash, chunk, seq.extra_key)
+                    block_hash = hash_block_tokens(seq.last_block_hash, chunk, seq.block_key(seq.num_tokens // bs, bs))
                     if self._acquire_all(seq, block_hash, range(self.num_groups)):
                         seq.block_hashes.append(block_hash)
                         seq.token_ids.extend(chunk)
@@ -434,7 +434,8 @@ class BlockManager:
             seq.token_ids.extend(token_ids[i : i + take])
             i += take
             if caching and seq.num_tokens % bs == 0:
-                block_hash = hash_block_tokens(seq.last_block_hash, seq.token_ids[-bs:], seq.extra_key)
+                block_hash = hash_block_tokens(seq.last_block_hash, seq.token_ids[-bs:],
+                                               seq.block_key(seq.num_tokens // bs - 1, bs))
                 seq.block_hashes.append(block_hash)
                 for g, table in enumerate(seq.block_tables):
                     key = self._key(g, block_hash)
@@ -463,7 +464,8 @@ class BlockManager:
         self.release(seq, end)
         result = self._result()
         for i in range(0, n, bs):
-            block_hash = hash_block_tokens(seq.last_block_hash, token_ids[i : i + bs], seq.extra_key)
+            block_hash = hash_block_tokens(seq.last_block_hash, token_ids[i : i + bs],
+                                           seq.block_key((start + i) // bs, bs))
             index = (start + i) // bs
             keep = [g for g in range(self.num_groups) if index >= self.first_kept_block(g, end)]
             if not self._acquire_all(seq, block_hash, keep):
@@ -494,6 +496,7 @@ class BlockManager:
             num_released=list(seq.num_released),
             block_hashes=list(seq.block_hashes),
             extra_key=seq.extra_key,
+            mm_spans=seq.mm_spans,
             is_cacheable=seq.is_cacheable,
             prefix_epoch=seq.prefix_epoch,
         )

@@ -217,7 +217,8 @@ class Scheduler:
                 pass
         if request.status != RequestStatus.FINISHED:
             if keep_kv:
-                kept, request.seq = request.seq, KVSequence(seq_id=request.seq.seq_id, extra_key=request.seq.extra_key)
+                kept, request.seq = request.seq, KVSequence(seq_id=request.seq.seq_id, extra_key=request.seq.extra_key,
+                                                          mm_spans=request.seq.mm_spans)
             else:
                 self.manager.free(request.seq)
             request.num_computed_tokens = 0

@@ -26,6 +26,10 @@ class KVSequence:
         block_hashes: chained content hash of each full block, in order (prefix caching); one
             chain for every group, since every group stores the same tokens.
         extra_key: salt mixed into every block hash (adapter, weights version, user salt).
+        mm_spans: `(start, end, digest)` of each non-text input whose content feeds positions
+            `start .. end - 1` (an image's placeholders): a block overlapping a span is hashed with
+            its digest too, so that blocks whose ids are equal but whose images differ never match
+            (later blocks differ through the chain).
         is_cacheable: False once tokens of unknown identity were stored (a forward fed
             `inputs_embeds`): its blocks are then never hashed, so they can never be shared wrongly.
         prefix_epoch: the pool's prefix-cache epoch when the sequence first stored tokens.
@@ -37,8 +41,17 @@ class KVSequence:
     num_released: list[int] = field(default_factory=lambda: [0])
     block_hashes: list[int] = field(default_factory=list)
     extra_key: object = None
+    mm_spans: tuple = ()
     is_cacheable: bool = True
     prefix_epoch: int | None = None
+
+    def block_key(self, index: int, block_size: int) -> object:
+        """The salt of block `index`'s hash: `extra_key`, with the digests of the spans it overlaps."""
+        if not self.mm_spans:
+            return self.extra_key
+        lo, hi = index * block_size, (index + 1) * block_size
+        digests = tuple(d for start, end, d in self.mm_spans if start < hi and end > lo)
+        return (self.extra_key, digests) if digests else self.extra_key
 
     @property
     def block_table(self) -> list[int]:

@@ -178,7 +178,8 @@ class Engine(BlockingAPI, KeptKVAPI):
             fingerprint=lambda: weights_fingerprint(model))
         self.kv = kv
         self._metrics = self.core.metrics
-        self.intake = Intake(self.core, kv, self.outputs, tokenizer, self.tokenizer_lock, self.vocab_size)
+        self.intake = Intake(self.core, kv, self.outputs, tokenizer, self.tokenizer_lock, self.vocab_size,
+                             runner.image_support)
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
         self._lock = threading.RLock()
@@ -237,6 +238,24 @@ class Engine(BlockingAPI, KeptKVAPI):
                                     retain_kv, resume_tokens)
         self._post(("add", tracked))
         return tracked.public_id
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The model's image placeholder id (None for a text-only model)."""
+        return self.runner.image_support.token_id
+
+    def image_token_counts(self, multi_modal_data: dict) -> list[int]:
+        """How many placeholder tokens each image of `multi_modal_data` fills (its feature rows). Runs
+        the encoder on the images it has not cached (between steps), which then serves their requests.
+
+        Raises:
+            ValueError/TypeError: the data is malformed, or the engine cannot serve this model's images."""
+        self._check_open()
+        items = self.runner.image_support.split(multi_modal_data)
+        with self._lock:
+            features, num_encoded = self.core.executor.encode_images(items)
+            self._metrics.mm_encoder_runs += num_encoded
+        return [f.shape[0] for f in features]
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; returns its output so far (None if unknown).

@@ -43,6 +43,15 @@ class Executor(Protocol):
     @property
     def last_times(self) -> StepTimes: ...
 
+    def encode_images(self, items: list) -> tuple[list, int]:
+        """Features [n_i, hidden] per `ImageItem`, and how many images the encoder ran on."""
+        ...
+
+    def place_images(self, requests: list) -> tuple[list, int]:
+        """Per request `(prompt ids, [ImageItem])`: `(ImageFeatures, block-hash spans)` or the
+        exception that rules it out; and the number of images encoded (`ModelRunner.place_images`)."""
+        ...
+
 
 class InProcessExecutor:
     """Runs every step on one `ModelRunner` in this process."""
@@ -60,3 +69,9 @@ class InProcessExecutor:
     @property
     def last_times(self) -> StepTimes:
         return self._times
+
+    def encode_images(self, items: list) -> tuple[list, int]:
+        return self.runner.encode_images(items)
+
+    def place_images(self, requests: list) -> tuple[list, int]:
+        return self.runner.place_images(requests)

@@ -43,7 +43,7 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int) -> list[int]:
 
 def as_prompt_list(prompts) -> list:
     """One prompt or many, as a list of prompts."""
-    if isinstance(prompts, str) or torch.is_tensor(prompts):
+    if isinstance(prompts, (str, dict)) or torch.is_tensor(prompts):
         return [prompts]
     if isinstance(prompts, SequenceABC) and prompts and all(
         isinstance(t, int) and not isinstance(t, bool) for t in prompts

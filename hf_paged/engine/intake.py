@@ -13,6 +13,7 @@ from collections.abc import Sequence as SequenceABC
 
 from ..core import KVSequence, Request
 from ..hf import KVOwner
+from ..hf.multimodal import ImageSupport
 from ..sampling_params import SamplingParams
 from ..worker.sampling import draw_seed
 from .core import EngineCore
@@ -27,13 +28,14 @@ class Intake:
     """Checks and registers the engine's new requests (see `Engine.add_owned_request`)."""
 
     def __init__(self, core: EngineCore, kv: KVOwner, outputs: OutputProcessor, tokenizer,
-                 tokenizer_lock: threading.Lock, vocab_size: int):
+                 tokenizer_lock: threading.Lock, vocab_size: int, images: ImageSupport | None = None):
         self.core = core
         self.kv = kv
         self.outputs = outputs
         self.tokenizer = tokenizer
         self.tokenizer_lock = tokenizer_lock
         self.vocab_size = vocab_size
+        self.images = images  # splits a prompt's multi_modal_data per image
 
     def track(self, prompt, sampling_params: SamplingParams | None, request_id: str | None, inbox: Inbox | None,
               index: int, streamed: bool, kv_prefix: KVSequence | None, retain_kv: bool,
@@ -45,6 +47,9 @@ class Intake:
         params.validate(self.vocab_size)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: pass tokenizer= to the Engine")
+        prompt, images = self._split_prompt(prompt)
+        if images and kv_prefix is not None:
+            raise ValueError("kv_prefix cannot continue a request with images")
         if isinstance(prompt, str):
             with self.tokenizer_lock:
                 prompt_ids = prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
@@ -97,5 +102,27 @@ class Intake:
             tracked.kv_prefix = kv_prefix
             if resume and detok is not None:
                 tracked.pending_text = resume_text
+            tracked.images = images or None
             core.register(tracked)
         return tracked
+
+    def _split_prompt(self, prompt) -> tuple:
+        """(text or ids, [ImageItem]) of a prompt: a dict `{"prompt" or "prompt_token_ids", "multi_modal_data"}`
+        (vLLM's form; `multi_modal_data` is the processor's image tensors for this prompt), or a plain one."""
+        if not isinstance(prompt, dict):
+            return prompt, []
+        unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"})
+        if unknown:
+            raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids' and 'multi_modal_data', got {unknown}")
+        if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'")
+        text = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+        data = prompt.get("multi_modal_data")
+        if data is None:
+            return text, []
+        if self.images is None:
+            raise ValueError("this engine takes no multi_modal_data")
+        items = self.images.split(data)
+        if not items:
+            raise ValueError("multi_modal_data holds no image")
+        return text, items

@@ -110,6 +110,11 @@ class EngineMetrics:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which served from it
+        # Images: queried in the encoder's cache, encoded (cache misses), and their placeholder tokens
+        # among the prefix-cache hits (blocks hashed with the images' digests).
+        self.mm_cache_queries = 0
+        self.mm_encoder_runs = 0
+        self.mm_prefix_cache_hits = 0
         self.request_success = 0
         self.request_aborted = 0
         self.request_errored = 0
@@ -237,6 +242,10 @@ class EngineMetrics:
             "prompt_throughput_tokens_per_s": self.prompt_tokens / elapsed,
             "generation_throughput_tokens_per_s": self.generation_tokens / elapsed,
             "prefix_cache_hit_rate": hit_rate,
+            **({"vllm:mm_cache_queries": self.mm_cache_queries,
+                "vllm:mm_cache_hits": self.mm_cache_queries - self.mm_encoder_runs,
+                "mm_encoder_runs": self.mm_encoder_runs,
+                "mm_prefix_cache_hits": self.mm_prefix_cache_hits} if self.mm_cache_queries else {}),
             **(self.spec_summary() if self.spec_num_drafts else {}),
         }
 

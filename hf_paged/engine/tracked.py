@@ -68,6 +68,8 @@ class TrackedRequest:
         self.logits: list[torch.Tensor] | None = [] if params.output_logits else None
         self.kv_prefix: KVSequence | None = None  # a kept sequence it takes over when queued
         self.pending_text = ""  # text of `resume_tokens`, prepended to the first streamed delta
+        self.images: list | None = None  # its `hf.multimodal.ImageItem`s, in prompt order
+        self.image_features = None  # `hf.multimodal.ImageFeatures`, placed before it is first scheduled
 
     @property
     def public_id(self) -> str:

@@ -51,6 +51,7 @@ from ..config import PagedCacheConfig, check_pool_fits
 from ..engine import Engine
 from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
+from ..hf.multimodal import ImageSupport
 from ..hf.support import has_latent_kv
 from .returned_cache import ReturnedCache
 from .shared_prompts import generate_rows
@@ -91,6 +92,33 @@ class EngineCall:
     criteria: StoppingCriteriaList | None
     passed: ReturnedCache | None
     paddings: list[set[int]]  # each row's padding ids (`_paddings`)
+    image_data: dict | None = None  # the call's image inputs (`pixel_values` of every row's images, ...)
+    row_images: list = dataclasses.field(default_factory=list)  # per row, its share of them (None: text only)
+
+    def prompts(self, engine: Engine) -> list:
+        """What the engine is given per row: its tokens, or with the call's images, the vLLM-style dict
+        whose `multi_modal_data` holds that row's images (split as transformers splits a batch's
+        images per row: by each image's placeholder count, which the engine's encoder gives)."""
+        if self.image_data is None:
+            return self.rows
+        counts = engine.image_token_counts(self.image_data)
+        token_id = engine.image_token_id
+        prompts, at = [], 0
+        for row in self.rows:
+            need, first = row.count(token_id), at
+            while need > 0 and at < len(counts):
+                need -= counts[at]
+                at += 1
+            if need:
+                raise ValueError(f"Image features and image tokens do not match: a row has {row.count(token_id)} "
+                                 f"image tokens, its images give {row.count(token_id) - need} features")
+            data = {k: v[first:at] for k, v in self.image_data.items()} if at > first else None
+            prompts.append({"prompt_token_ids": row, "multi_modal_data": data} if data else row)
+            self.row_images.append(data)
+        if at != len(counts):
+            raise ValueError(f"Image features and image tokens do not match: {len(counts)} images for "
+                             f"{at} images' placeholders")
+        return prompts
 
     @property
     def width(self) -> int:
@@ -142,12 +170,13 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
         passed, rows, params = call.passed, call.rows, call.params
         prefixes = passed.continuation_prefixes(engine, call.input_ids, call.attention_mask, rows) if passed else None
         try:
+            prompts = call.prompts(engine)
             if call.is_stepwise:
-                samples, request_ids = _run_stepwise(engine, rows, params, call.input_ids, call.pad, call.streamer,
+                samples, request_ids = _run_stepwise(engine, prompts, params, call.input_ids, call.pad, call.streamer,
                                                      call.criteria, prefixes, call.retain)
                 metrics = engine.metrics()
-            elif call.retain or prefixes is not None:
-                outputs = engine.generate(rows, params, kv_prefixes=prefixes, retain_kv=call.retain)
+            elif call.retain or prefixes is not None or call.image_data is not None:
+                outputs = engine.generate(prompts, params, kv_prefixes=prefixes, retain_kv=call.retain)
                 metrics = engine.metrics()
                 _raise_first_error(model, metrics, [out.outputs for out in outputs])
                 # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
@@ -192,8 +221,9 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if has_latent_kv(model.config):
         return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
     passed = passed_cache(kwargs)
-    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - {"assistant_model", "streamer",
-                                                                        "stopping_criteria", "tokenizer"}
+    image_data = _image_data(model, kwargs)
+    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - set(image_data or ()) - {
+        "assistant_model", "streamer", "stopping_criteria", "tokenizer"}
     if "synced_gpus" in kwargs and not kwargs["synced_gpus"]:
         unknown.discard("synced_gpus")
     if kwargs.get("synced_gpus") is None and _synced_by_default(model):
@@ -224,6 +254,10 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     params = sampling_params_from(gc, width, vocab_size)
     if isinstance(params, str):
         logger.debug("hf_paged: stock generate serves this call (%s)", params)
+        return None
+    if image_data is not None and (params.output_scores or params.output_logits or assistant is not None):
+        # Scores of rows that finished early come from a text-only teacher-forced forward; drafts see no images.
+        logger.debug("hf_paged: stock generate serves this call (images with scores, logits or an assistant)")
         return None
     if params.n > 1 and assistant is not None:
         return None  # stock: "num_return_sequences has to be 1 when doing assisted generate"
@@ -279,7 +313,29 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         return None
     return EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
                       rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
-                      streamer=streamer, criteria=criteria, passed=passed, paddings=paddings)
+                      streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data)
+
+
+def _expanded_images(row_images: list, n: int) -> dict | None:
+    """The image inputs of stock's expanded batch (each row's n samples, each with the row's images)."""
+    parts = [data for data in row_images if data for _ in range(n)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else None
+
+
+def _image_data(model, kwargs: dict) -> dict | None:
+    """The call's image inputs, when the engine can place this model's images (`hf.multimodal`); None
+    without images, or when only stock can serve them (the names then stay unknown keywords)."""
+    if kwargs.get("pixel_values") is None:
+        return None
+    support = ImageSupport(model)
+    if not support.is_supported:
+        logger.debug("hf_paged: stock generate serves this call (images: %s)", support.reason)
+        return None
+    data = {k: v for k, v in kwargs.items() if k in support.input_names and v is not None}
+    if not all(torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == data["pixel_values"].shape[0]
+               for v in data.values()):
+        return None  # not one entry per image: stock's own checks and errors
+    return data
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):
@@ -315,7 +371,7 @@ def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: l
             passed.adopt(engine, sequences[:, :-1], mask, kept)
             cache = passed
         else:
-            cache = ReturnedCache(model, engine, sequences[:, :-1], mask, kept)
+            cache = ReturnedCache(model, engine, sequences[:, :-1], mask, kept, _expanded_images(call.row_images, n))
     if not gc.return_dict_in_generate:
         return sequences
     scores = logits = None

@@ -66,10 +66,14 @@ class ReturnedCache(DynamicCache):
         mask: [rows, columns] their attention mask (the prompt's, then ones).
         seqs: per row, the engine's kept sequence (its real tokens' K/V, fewer than the row's real
             columns when it finished early) or None.
+        images: the image inputs of every row's placeholders, in row order (a vision-language call),
+            which `to_dense` hands the model with the ids.
     """
 
-    def __init__(self, model, engine, tokens: torch.Tensor, mask: torch.Tensor, seqs: list[KVSequence | None]):
+    def __init__(self, model, engine, tokens: torch.Tensor, mask: torch.Tensor, seqs: list[KVSequence | None],
+                 images: dict | None = None):
         super().__init__(config=model.config)
+        self._images = images
         self._model_ref = weakref.ref(model)
         self._kept = _Kept(engine, list(seqs))
         weakref.finalize(self, self._kept.release)
@@ -112,8 +116,8 @@ class ReturnedCache(DynamicCache):
             input_ids, attention_mask: [rows, width] the call's inputs.
             rows: the call's rows, real tokens only (left padding removed).
         """
-        if self._dense:
-            return None
+        if self._dense or any(seq is not None and seq.mm_spans for seq in self._kept.seqs):
+            return None  # a row with images continues in stock generate (its placeholders need the images)
         num_rows, columns = self._tokens.shape
         if input_ids.shape[0] != num_rows or input_ids.shape[1] <= columns:
             return None
@@ -256,8 +260,9 @@ class ReturnedCache(DynamicCache):
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         try:
             with torch.no_grad():
+                images = {k: v.to(device) for k, v in (self._images or {}).items()}
                 model(input_ids=self._tokens.to(device), attention_mask=self._mask.to(device),
-                      position_ids=positions.to(device), use_cache=True, **{key: self})
+                      position_ids=positions.to(device), use_cache=True, **images, **{key: self})
         except BaseException:
             super().reset()
             self._dense = False

@@ -115,6 +115,8 @@ class Server:
         engine: the `EngineClient` serving requests (an `AsyncEngine`, or the disaggregated engine's
             async client).
         tokenizer: tokenises prompts and renders the chat template.
+        processor: a vision-language model's processor (transformers' `AutoProcessor`): renders chat
+            messages that hold images (base64 data URLs) into ids and pixel inputs; None: images get 400.
         model_name: the id clients pass as `model` (and `/v1/models` lists).
         api_key: required as `Authorization: Bearer <key>` on every endpoint but `/health`; None: open.
             An empty key is a ValueError (`check_api_key`).
@@ -123,13 +125,14 @@ class Server:
     """
 
     def __init__(self, engine: EngineClient, tokenizer, model_name: str, api_key: str | None = None,
-                 limits: Limits | None = None, max_waiting: int = 256):
+                 limits: Limits | None = None, max_waiting: int = 256, processor=None):
         fastapi, prometheus = _require()
         from fastapi.responses import PlainTextResponse
         from starlette.exceptions import HTTPException
 
         check_api_key(api_key)
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
+        self.processor = processor
         self.api_key = api_key
         self.limits = limits or Limits()
         self.max_waiting = max_waiting
@@ -218,10 +221,11 @@ class Server:
         handed_over = False  # to the stream, which releases it however it ends
         try:
             rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-            prompt_ids = await asyncio.to_thread(self._prompt_ids, parsed)  # tokenising is never on the loop
+            prompt_ids, images = await asyncio.to_thread(self._prompt, parsed)  # tokenising is never on the loop
             params = self._params(parsed)
+            prompt = prompt_ids if images is None else {"prompt_token_ids": prompt_ids, "multi_modal_data": images}
             try:
-                pending = await self.engine.add_request(prompt_ids, params, rid, stream=parsed.stream)
+                pending = await self.engine.add_request(prompt, params, rid, stream=parsed.stream)
             except (ValueError, TypeError) as exc:  # the engine's own checks (a pool that can never hold it...)
                 raise APIError(400, str(exc)) from None
             if parsed.stream:
@@ -266,10 +270,14 @@ class Server:
     def _parse(self, kind: str, raw: bytes) -> Parsed:
         return parse(kind, decode_body(raw), [self.model_name], self.limits, self.vocab_size)
 
-    def _prompt_ids(self, p: Parsed) -> list[int]:
-        """The prompt's token ids (on a worker thread: tokenising and templating cost time)."""
+    def _prompt(self, p: Parsed) -> tuple[list[int], dict | None]:
+        """The prompt's token ids and its image inputs (None without images), on a worker thread:
+        tokenising, templating and decoding images cost time."""
+        images = None
         with self.engine.tokenizer_lock:  # the engine's: it encodes string prompts too
-            if p.kind == "chat":
+            if p.kind == "chat" and any(isinstance(m["content"], list) for m in p.messages):
+                ids, images = self._render_images(p.messages)
+            elif p.kind == "chat":
                 try:
                     ids = self.tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
                 except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or any error it meets
@@ -286,7 +294,46 @@ class Server:
             raise APIError(400, f"this model's context is {self.limits.max_model_len} tokens; the prompt has "
                                 f"{len(ids)} and max_tokens asks for {p.max_tokens} more",
                            param="messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
-        return list(ids)
+        return list(ids), images
+
+    def _render_images(self, messages: list[dict]) -> tuple[list[int], dict]:
+        """Chat messages with images through the processor's chat template: the ids (each image's
+        placeholders expanded) and the image tensors beside them."""
+        if self.processor is None:
+            raise APIError(400, f"model {self.model_name!r} takes no images", param="messages")
+        import io
+
+        from PIL import Image, UnidentifiedImageError
+
+        rendered = []
+        for m in messages:
+            if not isinstance(m["content"], list):
+                rendered.append(m)
+                continue
+            parts = []
+            for part in m["content"]:
+                if part["type"] == "text":
+                    parts.append(part)
+                    continue
+                try:
+                    image = Image.open(io.BytesIO(part["data"]))
+                    image.load()
+                except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+                    raise APIError(400, f"an image_url holds no image this server can read: {exc}",
+                                   param="messages") from None
+                parts.append({"type": "image", "image": image.convert("RGB")})
+            rendered.append({"role": m["role"], "content": parts})
+        try:
+            out = self.processor.apply_chat_template(rendered, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True, return_tensors="pt")
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or a processor refusing the images
+            raise APIError(400, f"the model's processor cannot render these messages: {exc}",
+                           param="messages") from None
+        ids = out["input_ids"][0].tolist()
+        images = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        if "pixel_values" not in images:
+            raise APIError(400, "the model's processor produced no pixel_values for these images", param="messages")
+        return ids, images
 
     def _params(self, p: Parsed) -> SamplingParams:
         try:
@@ -551,17 +598,21 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
                                .engine_kwargs())
         limit = args.max_model_len or min(client.max_model_len or 2048, 8192)
     else:
-        model, tokenizer = ModelFromPath(args.model)()
+        source = ModelFromPath(args.model)
+        model, tokenizer = source()
         if tokenizer is None:
             parser.error(f"{args.model} has no tokenizer")
+        processor = source.processor()  # images in chat messages, for a vision-language model
         model = model.eval()
-        limit = args.max_model_len or min(getattr(model.config, "max_position_embeddings", 2048) or 2048, 8192)
+        text_config = model.config.get_text_config(decoder=True)
+        limit = args.max_model_len or min(getattr(text_config, "max_position_embeddings", 2048) or 2048, 8192)
         engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args, max_model_len=limit).engine_kwargs(),
                         show_progress=False)
         client = AsyncEngine(engine)
     name = args.served_model_name or ("default" if args.model == "default" else args.model)
     server = Server(client, tokenizer, name, api_key=args.api_key,
-                    limits=dataclasses.replace(limits, max_model_len=limit), max_waiting=args.max_waiting)
+                    limits=dataclasses.replace(limits, max_model_len=limit), max_waiting=args.max_waiting,
+                    processor=None if is_disaggregated else processor)
     if args.api_key is None and args.host not in LOOPBACK:
         print(f"WARNING: hf-paged serve listens on {args.host} without --api-key: anyone who can reach it can use "
               "it", file=sys.stderr, flush=True)

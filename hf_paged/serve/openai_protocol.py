@@ -272,15 +272,61 @@ def _prompt(value, vocab_size: int, max_model_len: int) -> str | list[int]:
 
 
 def _messages(value) -> list[dict]:
+    """The chat messages, each `{"role", "content"}`: content a string, or (OpenAI's content parts) a list
+    of `{"type": "text"}` and `{"type": "image_url"}` parts. A message whose parts are all text becomes
+    one string (joined by newlines, as vLLM does); one with images keeps its parts, each image decoded
+    from its base64 data URL to `{"type": "image", "data": bytes}` (the server fetches nothing)."""
     if not isinstance(value, list) or not value:
         raise APIError(400, "'messages' must be a non-empty array", param="messages")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a 'role' ({', '.join(ROLES)}) and a string "
-                                "'content'", param=f"messages[{i}]")
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), (str, list)):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role' ({', '.join(ROLES)}) and a "
+                                "'content' (a string or an array of content parts)", param=f"messages[{i}]")
         if set(m) - {"role", "content", "name"}:
             raise APIError(400, f"messages[{i}] has unknown field(s) {sorted(set(m) - {'role', 'content', 'name'})}",
                            param=f"messages[{i}]")
-        out.append({"role": m["role"], "content": m["content"]})
+        content = m["content"]
+        if isinstance(content, list):
+            parts = [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
+            if not parts:
+                raise APIError(400, f"messages[{i}].content is an empty array", param=f"messages[{i}].content")
+            if all(part["type"] == "text" for part in parts):
+                content = "\n".join(part["text"] for part in parts)
+            elif m["role"] != "user":
+                raise APIError(400, f"messages[{i}]: only user messages may hold images", param=f"messages[{i}]")
+            else:
+                content = parts
+        out.append({"role": m["role"], "content": content})
     return out
+
+
+_DATA_URL = re.compile(r"data:image/[A-Za-z0-9.+-]+;base64,(.*)", re.DOTALL)
+
+
+def _content_part(part, where: str) -> dict:
+    import base64
+    import binascii
+
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
+        raise APIError(400, f"{where} must be a content part of type 'text' or 'image_url'", param=where)
+    if part["type"] == "text":
+        if set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise APIError(400, f"{where}: a text part is {{'type': 'text', 'text': <string>}}", param=where)
+        return {"type": "text", "text": part["text"]}
+    image = part.get("image_url")
+    if set(part) != {"type", "image_url"} or not isinstance(image, dict) or not isinstance(image.get("url"), str) \
+            or set(image) - {"url", "detail"}:
+        raise APIError(400, f"{where}: an image part is {{'type': 'image_url', 'image_url': {{'url': <data URL>}}}}",
+                       param=where)
+    match = _DATA_URL.fullmatch(image["url"])
+    if match is None:
+        raise APIError(400, f"{where}: image_url must be a base64 data URL (data:image/<type>;base64,...); "
+                            "the server fetches nothing", param=where)
+    try:
+        data = base64.b64decode(match.group(1), validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{where}: the image's base64 data is malformed", param=where) from None
+    if not data:
+        raise APIError(400, f"{where}: the image is empty", param=where)
+    return {"type": "image", "data": data}

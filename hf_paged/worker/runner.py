@@ -28,6 +28,7 @@ from ..attention.metadata import StepMetadata, build_packed_metadata, host_to_de
 from ..core import KVSequence
 from ..hf import KVOwner, PagedCache, decoder_of
 from ..hf.linear import enable as enable_fast_linear, fast_linear
+from ..hf.multimodal import ImageEncoder, ImageFeatures, ImageItem, ImageSupport, place
 from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class Chunk:
         group_slots: per KV group, the KV slot of each token (-1: prefix-cache hit, nothing to write).
         num_logits: how many of the last positions need logits (0 for a prompt chunk that stops
             short, 1 to sample, k + 1 to verify k speculative tokens).
+        images: the request's image features (`hf.multimodal.ImageFeatures`), written at the
+            placeholder positions this chunk feeds; None for a text-only request.
     """
 
     seq: KVSequence
@@ -51,6 +54,14 @@ class Chunk:
     token_ids: list[int]
     group_slots: list[list[int]]
     num_logits: int
+    images: ImageFeatures | None = None
+
+    def image_rows(self) -> tuple[list[int], torch.Tensor] | None:
+        """The chunk's placeholder offsets and their feature rows; None when it feeds no placeholder."""
+        if self.images is None:
+            return None
+        offsets, rows = self.images.rows_in(self.start, self.start + len(self.token_ids))
+        return (offsets, rows) if offsets else None
 
 
 class ModelRunner:
@@ -66,6 +77,8 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         enable_fast_linear(model)  # inert outside this runner's forwards (see hf.linear)
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when set
+        self.image_support = ImageSupport(model)
+        self.image_encoder = ImageEncoder(self.image_support) if self.image_support.is_supported else None
         # Wall seconds of the latest forward: building its inputs and metadata, and the model call
         # (for a replay: filling the static inputs, and the replay, plus any capture it needed).
         self.last_metadata_seconds = 0.0
@@ -91,7 +104,9 @@ class ModelRunner:
         On an exception the cache forgets the step and it propagates; nothing was published."""
         began = time.perf_counter()
         key = None
-        if self.graphs is not None and not copies and all(len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
+        placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
+        if self.graphs is not None and not copies and not placed and all(
+                len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
         if key is not None:
             logits = self._replay(key, chunks, began)
@@ -99,8 +114,9 @@ class ModelRunner:
                 self.kv.commit(new_full_blocks)
                 return logits
             began = time.perf_counter()  # the capture failed and graphs are off: this step runs eagerly
-        input_ids, positions, keep = [], [], []
+        input_ids, positions, keep, starts = [], [], [], []
         for chunk in chunks:
+            starts.append(len(input_ids))
             input_ids.extend(chunk.token_ids)
             positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
             end = len(input_ids)
@@ -115,11 +131,12 @@ class ModelRunner:
         ids = host_to_device([input_ids], torch.long, self.device)  # [1, num_tokens]
         pos = host_to_device([positions], torch.long, self.device)  # [1, num_tokens]
         keep_index = host_to_device(keep, torch.long, self.device)  # [sum(num_logits)]
+        embeds = self._embed_with_images(ids, [(starts[i], rows) for i, rows in placed]) if placed else None
         self.kv.begin(meta)
         called = time.perf_counter()
         self.last_metadata_seconds = called - began
         try:
-            logits = self._call_model(ids, pos, keep_index, meta)
+            logits = self._call_model(ids, pos, keep_index, meta, embeds)
         except BaseException:
             self.kv.abort()  # this step published no block
             raise
@@ -154,11 +171,54 @@ class ModelRunner:
         return logits
 
     def _call_model(self, ids: torch.Tensor, pos: torch.Tensor, keep_index: torch.Tensor,
-                    meta: StepMetadata) -> torch.Tensor:  # [len(keep_index), vocab]
+                    meta: StepMetadata, embeds: torch.Tensor | None = None) -> torch.Tensor:  # [len(keep_index), vocab]
+        inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         with torch.inference_mode(), fast_linear():
-            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, paged_metadata=meta,
+            out = self.model(**inputs, position_ids=pos, use_cache=True, paged_metadata=meta,
                              logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
         return out.logits[0]
+
+    def _embed_with_images(self, ids: torch.Tensor, placed: list[tuple[int, tuple[list[int], torch.Tensor]]]
+                           ) -> torch.Tensor:  # [1, num_tokens, hidden]
+        """The step's input embeddings with each chunk's image features at its placeholders (what the
+        model's forward does with `masked_scatter`; the placeholders' own ids are never looked up,
+        since some models' image token lies outside the embedding table)."""
+        index = torch.tensor([start + o for start, (offsets, _) in placed for o in offsets], device=self.device)
+        rows = torch.cat([r for _, (_, r) in placed]).to(self.device)
+        with torch.inference_mode():
+            safe = ids.index_fill(1, index, 0)
+            embeds = self.model.get_input_embeddings()(safe)
+            embeds[0, index] = rows.to(embeds.dtype)
+        return embeds
+
+    def encode_images(self, items: list[ImageItem]) -> tuple[list[torch.Tensor], int]:
+        """Features [n_i, hidden] per image (cached ones reused), and how many images the encoder ran on."""
+        self.image_support.check()
+        before = self.image_encoder.num_encoded
+        return self.image_encoder.encode(items), self.image_encoder.num_encoded - before
+
+    def place_images(self, requests: list[tuple[list[int], list[ImageItem]]]) -> tuple[list, int]:
+        """Per request (its prompt ids, its images): `(ImageFeatures, block-hash spans)`, or the exception
+        that rules it out (a request never fails another's); and how many images the encoder ran on.
+        Every missing image of the batch goes through the encoder at once; a failing batch is retried
+        request by request."""
+        if self.image_encoder is None:
+            error = ValueError(f"hf_paged: the engine cannot serve images for this model: {self.image_support.reason}")
+            return [error] * len(requests), 0
+        before = self.image_encoder.num_encoded
+        try:
+            features = self.image_encoder.encode([item for _, items in requests for item in items])
+        except Exception:  # noqa: BLE001 - retried alone below, so that the culprit alone fails
+            features = None
+        results, at = [], 0
+        for token_ids, items in requests:
+            try:
+                mine = features[at:at + len(items)] if features is not None else self.image_encoder.encode(items)
+                results.append(place(self.image_support, token_ids, items, mine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller, which fails this request
+                results.append(exc)
+            at += len(items)
+        return results, self.image_encoder.num_encoded - before
 
     def _graph_forward(self, ids: torch.Tensor, pos: torch.Tensor, keep_index: torch.Tensor,
                        meta: StepMetadata) -> torch.Tensor:  # [len(keep_index), vocab]

@@ -266,6 +266,31 @@ def test_extra_key_prevents_sharing():
     pool.check_invariants()
 
 
+def test_image_spans_salt_only_the_blocks_they_overlap():
+    """Equal ids whose placeholder positions hide different images: the blocks before the image are
+    shared, the block holding it and every later one are not (vLLM's multimodal block hashes)."""
+    pool, mgr = make(32, BS)
+    tokens = list(range(4 * BS))
+    span = (BS + 1, 2 * BS + 1)  # ends one token into block 2
+
+    def seq(i: int, digest: str) -> KVSequence:
+        return KVSequence(i, mm_spans=((*span, digest),))
+
+    a = seq(0, "image-a")
+    mgr.append_tokens(a, tokens)
+    assert [a.block_key(i, BS) for i in range(4)] == [None, (None, ("image-a",)), (None, ("image-a",)), None]
+    b = seq(1, "image-b")
+    assert mgr.num_cached_prefix_tokens(b, tokens) == BS
+    rb = mgr.append_tokens(b, tokens)
+    assert rb.num_cached_tokens == BS and b.block_table[0] == a.block_table[0]
+    assert set(b.block_table[1:]).isdisjoint(a.block_table)
+    c = seq(2, "image-a")
+    assert mgr.num_cached_prefix_tokens(c, tokens) == 4 * BS
+    assert mgr.append_tokens(c, tokens).num_cached_tokens == 4 * BS and c.block_table == a.block_table
+    assert mgr.fork(c, 3).mm_spans == c.mm_spans
+    pool.check_invariants()
+
+
 def test_uncacheable_sequence_never_hits_and_never_registers():
     pool, mgr = make(16, BS)
     tokens = list(range(8))
