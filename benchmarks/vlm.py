@@ -17,7 +17,9 @@ Methods (alternated, `--repeats` times each; medians reported):
 
 Prints seconds, useful output tokens/s, the ratio, the engine's image figures (encoder runs, image
 placeholder tokens served by the prefix cache) and the greedy agreement of the engine with stock
-(each request's n tokens against its row of the static batch: identical with min_new_tokens).
+(each request's n tokens against its row of the static batch: identical with min_new_tokens), with
+stock's top-2 logit margin where a request parts (random weights and a 8192-token vocabulary make
+near-ties, which fp32 noise of different batch shapes flips).
 
     python benchmarks/vlm.py [--num-requests 64] [--static-bs 8] [--repeats 3] [--threads N]
     python benchmarks/vlm.py --num-requests 8 --repeats 1     # smoke
@@ -135,6 +137,15 @@ def main() -> None:
           f"image tokens from the prefix cache {metrics.get('mm_prefix_cache_hits')}; "
           f"prefix-cache hit rate {100 * metrics.get('prefix_cache_hit_rate', 0):.1f}%")
     print(f"greedy agreement with stock: {agree}/{len(requests)} requests token for token")
+    for k, (a, b) in enumerate(zip(static_out, engine_out)):
+        if a != b:  # where they part: stock's own top-2 logit margin there (a near-tie flips on fp32 noise)
+            ids, image, _ = requests[k]
+            step = next(j for j in range(min(len(a), len(b))) if a[j] != b[j])
+            with torch.inference_mode():
+                logits = stock(input_ids=torch.tensor([ids + a[:step]]), pixel_values=images[image:image + 1]).logits
+            top = logits[0, -1].topk(2).values
+            print(f"  request {k} parts at token {step}: stock's top-2 logits {top[0]:.7f} / {top[1]:.7f} "
+                  f"(margin {float(top[0] - top[1]):.1e})")
 
 
 if __name__ == "__main__":

@@ -192,3 +192,44 @@ def tiny_llava_processor():
     images = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, num_additional_image_tokens=1,
                           vision_feature_select_strategy="default", chat_template=_VLM_CHAT_TEMPLATE)
+
+
+def tiny_qwen2_vl(attn_implementation: str = "sdpa", seed: int = 0):
+    """A tiny Qwen2-VL (3-D rope positions): images of 14-pixel patches, 2x2 merged (grid [1, h, w]
+    gives h * w / 4 placeholders)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(_COMMON, num_hidden_layers=2, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                "rope_theta": 10000.0})
+    config = Qwen2VLConfig(text_config=text, vision_config=dict(depth=2, embed_dim=32, hidden_size=96, num_heads=4,
+                                                                mlp_ratio=2, spatial_merge_size=2, patch_size=14,
+                                                                temporal_patch_size=2, in_channels=3),
+                           image_token_id=IMAGE_TOKEN, video_token_id=VOCAB - 2, vision_start_token_id=VOCAB - 3,
+                           vision_end_token_id=VOCAB - 4)
+    torch.manual_seed(seed)
+    return Qwen2VLForConditionalGeneration._from_config(config, attn_implementation=attn_implementation).eval()
+
+
+def qwen2_vl_image(grid_h: int, grid_w: int, seed: int = 0) -> dict:
+    """One image's processor outputs for `tiny_qwen2_vl`: patches and their grid."""
+    pixels = torch.randn(grid_h * grid_w, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, grid_h, grid_w]])}
+
+
+def tiny_gemma3_vlm(attn_implementation: str = "eager", seed: int = 0):
+    """A tiny Gemma 3 vision-language model: 32x32 images (SigLIP, 8-pixel patches): 16 placeholders each,
+    which attend to each other both ways (its token-type mask); sliding and full layers."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = Gemma3TextConfig(**dict(_COMMON, num_hidden_layers=2), head_dim=16, sliding_window=7,
+                            query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16, image_token_index=IMAGE_TOKEN,
+                          boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 4)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration._from_config(config, attn_implementation=attn_implementation).eval()
+    with torch.no_grad():  # its projection starts at zero: every image would look the same
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.5)
+    return model

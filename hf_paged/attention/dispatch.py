@@ -55,6 +55,8 @@ def plan(step, workspace: Workspace | None = None) -> StepPlan:
     """The attention plan of `step` (a `metadata.StepMetadata`): its backend, read here once, and the
     per-kind launch plans its layers fill in (see `plan.StepPlan`). `workspace`: the cache's scratch,
     reused by every layer and step."""
+    if getattr(step, "key_limits", None) is not None:  # queries past causal: the Triton kernels are causal only
+        return StepPlan("torch", workspace, key_limits=step.key_limits)
     return StepPlan(backend(step.seq_lens.device), workspace)
 
 

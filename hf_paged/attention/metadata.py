@@ -58,6 +58,10 @@ class StepMetadata:
             released entry's block; the torch path gathers it; both give it weight exactly 0). `block_tables` / `slot_mapping` are group 0's.
         layer_group: per layer, its group (None: one group).
         group_windows: per group, the sliding window its blocks are kept for (None: full attention).
+        key_limits: [num_tokens] int64, the last key position each packed token may see: its own
+            position (causal), or further for tokens that attend both ways (the placeholders of one
+            Gemma 3 image, all in this step). None: every token is causal. Only the torch backend
+            reads it (`dispatch.plan` picks torch for such a step).
     """
 
     mode: str
@@ -78,6 +82,7 @@ class StepMetadata:
     group_slot_mapping: tuple[torch.Tensor, ...] = ()
     layer_group: tuple[int, ...] | None = None
     group_windows: tuple[int | None, ...] | None = None
+    key_limits: torch.Tensor | None = None
     active_layer: int | None = None  # the layer whose K/V the cache stored last (its attention runs next)
     layers_done: set[int] = field(default_factory=set)
     # Quantised layers' scales (`kv_quant.KVScales`) by layer index: layers of different KV groups share
@@ -253,11 +258,13 @@ def build_packed_metadata(
     group_block_tables: list[list[list[int]]] | None = None,
     layer_group: tuple[int, ...] | None = None,
     group_windows: tuple[int | None, ...] | None = None,
+    key_limits: list[int] | None = None,
 ) -> StepMetadata:
     """Metadata for one engine step: sequences packed back to back in a single `[1, num_tokens]` row.
 
     Args:
         q_lens: per sequence, the tokens it feeds this step (its chunk).
+        key_limits: per packed token, the last key position it may see (see `StepMetadata`); None: causal.
         slots: per sequence, the slot of each of those tokens (-1: prefix-cache hit, nothing to write).
         block_tables, seq_lens: per sequence, after this step.
         group_slots, group_block_tables, layer_group: per KV group (see `build_step_metadata`).
@@ -270,6 +277,7 @@ def build_packed_metadata(
         token_index=None,
         num_padding=None,
         copies=copies,
+        key_limits=None if key_limits is None else host_to_device(key_limits, torch.long, device),
         **_varlen_fields(q_lens, slots, block_tables, seq_lens, device, group_slots, group_block_tables,
                          layer_group, group_windows),
     )

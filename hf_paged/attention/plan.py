@@ -52,9 +52,10 @@ class StepPlan:
             never one per layer.
     """
 
-    def __init__(self, backend: str, workspace: Workspace | None = None):
+    def __init__(self, backend: str, workspace: Workspace | None = None, key_limits: torch.Tensor | None = None):
         self.backend = backend
         self.workspace = workspace
+        self.key_limits = key_limits  # [num_tokens] the step's `StepMetadata.key_limits` (torch only)
         self._triton: dict[tuple, object] = {}  # layer kind -> DecodePlan / PrefillPlan
         self._torch: list[tuple[torch.Tensor, int, AttentionPlan]] = []  # (block_tables, block_size, plan)
         self.num_layer_plans = 0
@@ -113,7 +114,7 @@ class StepPlan:
             if tables is block_tables and size == block_size:
                 return plan
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_size,
-                             workspace=self.workspace)
+                             workspace=self.workspace, key_limits=self.key_limits)
         self._torch.append((block_tables, block_size, plan))
         self.num_layer_plans += 1
         return plan

@@ -48,8 +48,10 @@ def causal_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
+    key_limits: torch.Tensor | None = None,  # [q_len] the last key position each query sees (None: its own)
 ) -> torch.Tensor:  # [q_len, num_q_heads, head_dim_v] float64
-    """Dense causal attention of one sequence, in float64.
+    """Dense causal attention of one sequence, in float64 (with `key_limits`, query i sees keys up to
+    `key_limits[i]` instead of its own position: an image block attended both ways).
 
     Query `i` sits at position `seq_len - q_len + i` and sees key positions `p <= pos`; with a
     sliding window `w` only `p > pos - w` (the transformers convention). Softcapping applies to the
@@ -68,7 +70,7 @@ def causal_attention(
         scores = softcap * torch.tanh(scores / softcap)
     pos = (seq_len - q_len + torch.arange(q_len, device=query.device))[:, None]  # query i's position in the sequence
     p = torch.arange(seq_len, device=query.device)[None, :]  # key positions
-    allowed = p <= pos
+    allowed = p <= (pos if key_limits is None else key_limits.to(query.device)[:, None])
     if sliding_window is not None:
         allowed &= p > pos - sliding_window
     scores = scores.masked_fill(~allowed, float("-inf"))

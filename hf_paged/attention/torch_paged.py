@@ -122,7 +122,7 @@ class _Group:
     `Kmax` is whole blocks (K/V are gathered a block at a time)."""
 
     def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
-                 block_tables: torch.Tensor, block_size: int):
+                 block_tables: torch.Tensor, block_size: int, key_limits: torch.Tensor | None = None):
         device = block_tables.device
         self.num_seqs = len(seqs)
         self.max_seqlen_q = max(q_lens[i] for i in seqs)
@@ -157,15 +157,23 @@ class _Group:
         self.is_pad_row = torch.arange(self.max_seqlen_q, device=device)[None, :] >= g_q_lens[:, None]  # [Sg, Qmax]
         # Every row has exactly Kmax keys and single-token queries: no mask at all is needed.
         self.is_uniform_decode = self.max_seqlen_q == 1 and all(seq_lens[i] == self.max_seqlen_k for i in seqs)
+        # The last key position each query sees: its own, or further (`key_limits`: Gemma 3's images).
+        self.q_limit = self.q_pos
+        if key_limits is not None:
+            limit = self.q_pos.clone()
+            limit[self.seq_ids, self.q_idx] = key_limits[self.token_index]
+            if bool((limit > self.q_pos).any()):
+                self.q_limit = limit
+        is_causal = self.q_limit is self.q_pos
         # One sequence whose queries are all its keys: plain causal attention, no mask tensor.
-        self.is_plain_causal = len(seqs) == 1 and q_lens[seqs[0]] == seq_lens[seqs[0]]
+        self.is_plain_causal = is_causal and len(seqs) == 1 and q_lens[seqs[0]] == seq_lens[seqs[0]]
         self.num_kv = seq_lens[seqs[0]] if self.is_plain_causal else self.max_seqlen_k  # keys it really has
         self._masks: dict[int | None, torch.Tensor] = {}
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:  # [Sg, Qmax, Kmax] bool, True = attend
         if sliding_window not in self._masks:
             k_pos, q_pos = self.k_pos[None, None, :], self.q_pos[:, :, None]
-            allowed = k_pos <= q_pos
+            allowed = k_pos <= self.q_limit[:, :, None]
             if sliding_window is not None:
                 allowed &= k_pos > q_pos - sliding_window
             # Query rows past a sequence's q_len are padding: let them see key 0 so no row is all -inf.
@@ -231,6 +239,7 @@ class AttentionPlan:
         max_seqlen_k: int,
         block_size: int,
         workspace: Workspace | None = None,
+        key_limits: torch.Tensor | None = None,  # [num_tokens] int64, the last key each query sees (None: causal)
     ):
         cu = cu_seqlens_q.tolist()  # one host sync per step, shared by every layer
         lens = seq_lens.tolist()
@@ -239,7 +248,8 @@ class AttentionPlan:
         self.workspace = workspace
         short = [i for i, n in enumerate(q_lens) if 0 < n <= MAX_DECODE_QUERY_LEN and lens[i] > 0]
         long = [[i] for i, n in enumerate(q_lens) if n > MAX_DECODE_QUERY_LEN]
-        self.groups = [_Group(g, q_lens, lens, cu, block_tables, block_size) for g in _buckets(short, lens) + long]
+        self.groups = [_Group(g, q_lens, lens, cu, block_tables, block_size, key_limits)
+                       for g in _buckets(short, lens) + long]
 
 
 def paged_attention(

@@ -52,6 +52,8 @@ class Request:
         num_computed_tokens: leading `token_ids` whose K/V are in the cache (or scheduled into the
             current step).
         arrival: admission order key; lower is older. Preemption picks the newest.
+        atomic_spans: `(start, end)` position ranges a prefill chunk never ends inside (an image whose
+            placeholders attend to each other both ways must be computed in one forward); sorted.
     """
 
     request_id: str
@@ -67,6 +69,16 @@ class Request:
     use_prefix_cache: bool = True  # False: admission computes the whole prompt (its logits are wanted)
     # Speculative tokens proposed for the next step (set by the engine, consumed by `schedule`).
     spec_token_ids: list[int] = field(default_factory=list)
+    atomic_spans: tuple[tuple[int, int], ...] = ()
+
+    def fit_chunk(self, start: int, num_new: int) -> int:
+        """The most tokens, up to `num_new`, a chunk from `start` may take without ending inside an atomic
+        span: cut back to the span's start, or 0 when the chunk starts inside a span it cannot finish."""
+        end = start + num_new
+        for s, e in self.atomic_spans:
+            if s < end < e:
+                return 0 if s <= start else s - start
+        return num_new
 
     @property
     def num_pending_tokens(self) -> int:
@@ -253,8 +265,10 @@ class Scheduler:
             drafts = request.spec_token_ids if request.num_pending_tokens == 1 else []
             request.spec_token_ids = []
             num_new = min(request.num_pending_tokens + len(drafts), budget)
+            if request.atomic_spans and not drafts:
+                num_new = request.fit_chunk(request.num_computed_tokens, num_new)
             if num_new == 0:
-                continue  # nothing to compute (the engine always samples or finishes first)
+                continue  # nothing to compute, or an atomic span that needs more budget than is left
             drafts = drafts[: num_new - 1]
             if drafts and not self.manager.can_append(request.seq, num_new):
                 drafts, num_new = [], 1  # speculation never preempts anyone
@@ -280,6 +294,10 @@ class Scheduler:
             num_cached = (self.manager.num_cached_prefix_tokens(request.seq, cacheable)
                           if request.use_prefix_cache and not held else 0)
             num_new = min(len(prompt) - held - num_cached, budget)
+            if request.atomic_spans:
+                num_new = request.fit_chunk(held + num_cached, num_new)
+                if num_new == 0:
+                    break  # its first chunk cannot end yet: it waits for a step with more budget
             blocks = self.manager.num_blocks_needed(request.seq, num_new, num_cached_tokens=num_cached)
             if not self.manager.pool.can_allocate(blocks):
                 break  # FIFO: nobody overtakes the head of the queue

@@ -14,7 +14,6 @@ Single-threaded: the `Engine` front calls it under its lock.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import threading
@@ -32,6 +31,7 @@ from ..worker import Chunk
 from ..worker.sampler import SampleRow, Sampler, SamplerOutput
 from ..worker.sampling import SamplingState, sample_seed
 from .executor import Executor, ExecutorStep
+from .images import ImageQueue
 from .metrics import EngineMetrics, RequestMetrics
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamEvent
@@ -87,14 +87,13 @@ class EngineCore:
         # at its end: a request of n samples costs one output per step, not one per sample.
         self._updates: dict[str, TrackedRequest] = {}
         self._consecutive_failed_steps = 0
-        self._unplaced: list[TrackedRequest] = []  # queued requests whose images are not placed yet
+        self.images = ImageQueue(executor, lambda: scheduler.max_num_batched_tokens, self.metrics, self.fail)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[TrackedRequest]:
         """Run one step; returns the requests that produced a token or finished in it (with those of a
         failed step before it). Raises what undid the step: its requests retry or end with an error."""
-        if self._unplaced:
-            self._place_images()
+        self.images.place()  # before scheduling: their blocks are hashed with their images' digests
         sched = self._schedule()
         if sched is None:
             return self._take_updates()
@@ -107,23 +106,6 @@ class EngineCore:
         self._note_forward(sched)
         self._update(sched, logits, self._sample(sched, work, logits))
         return self._take_updates()
-
-    def _place_images(self) -> None:
-        """Encode (once per distinct image, in one call) and place the images of the requests queued
-        since the last step, before any of them is scheduled: each request's sequence is hashed with
-        its images' digests from here on. A request whose images cannot be placed ends with the error."""
-        pending, self._unplaced = [t for t in self._unplaced if t.finish_reason is None], []
-        if not pending:
-            return
-        results, num_encoded = self.executor.place_images(
-            [(t.request.token_ids[:t.request.num_prompt_tokens], t.images) for t in pending])
-        self.metrics.mm_cache_queries += sum(len(t.images) for t in pending)
-        self.metrics.mm_encoder_runs += num_encoded
-        for tracked, result in zip(pending, results):
-            if isinstance(result, Exception):
-                self.fail(tracked, result)
-                continue
-            tracked.image_features, tracked.request.seq.mm_spans = result
 
     def _take_updates(self) -> list[TrackedRequest]:
         updates, self._updates = self._updates, {}
@@ -329,8 +311,7 @@ class EngineCore:
         prefix, tracked.kv_prefix = tracked.kv_prefix, None
         if prefix is not None and self.kv.take(prefix):
             tracked.request.seq = prefix  # admission starts after its tokens (`Scheduler.schedule`)
-        if tracked.images:
-            self._unplaced.append(tracked)
+        self.images.add(tracked)
         self.scheduler.add(tracked.request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -524,9 +505,8 @@ class EngineCore:
             if tracked.metrics.first_scheduled_time is None:
                 tracked.metrics.first_scheduled_time = now
             tracked.metrics.num_cached_tokens = request.num_cached_tokens
-            if tracked.image_features is not None and entry.start == request.num_cached_tokens:  # its admission
-                self.metrics.mm_prefix_cache_hits += bisect.bisect_left(tracked.image_features.positions,
-                                                                        request.num_cached_tokens)
+            if entry.start == request.num_cached_tokens:  # its admission
+                self.images.note_admission(tracked)
             # Prompt tokens actually computed (outputs recomputed after a preemption count as prompt work).
             computed_prompt = max(0, min(entry.start + len(entry.token_ids), request.num_prompt_tokens) - entry.start)
             self.metrics.prompt_tokens += computed_prompt

@@ -193,7 +193,10 @@ class Engine(BlockingAPI, KeptKVAPI):
         """Queue one request and return its id. Its outputs come back from `step()`.
 
         Args:
-            prompt: a string (needs a tokenizer) or a list of token ids.
+            prompt: a string (needs a tokenizer) or a list of token ids; or, for a vision-language
+                model, vLLM's dict `{"prompt" or "prompt_token_ids": ..., "multi_modal_data": {...}}`
+                whose `multi_modal_data` is the processor's image tensors for this prompt
+                (`pixel_values` and, where the model takes them, `image_sizes`, `image_grid_thw`).
             sampling_params: defaults to `SamplingParams()` (greedy, 16 new tokens).
             request_id: unique among live requests; generated when omitted.
 
@@ -244,14 +247,15 @@ class Engine(BlockingAPI, KeptKVAPI):
         """The model's image placeholder id (None for a text-only model)."""
         return self.runner.image_support.token_id
 
-    def image_token_counts(self, multi_modal_data: dict) -> list[int]:
-        """How many placeholder tokens each image of `multi_modal_data` fills (its feature rows). Runs
-        the encoder on the images it has not cached (between steps), which then serves their requests.
+    def image_token_counts(self, images) -> list[int]:
+        """How many placeholder tokens each image fills (its feature rows), for `images`: a prompt's
+        `multi_modal_data`, or its images already split (`hf.multimodal.ImageSupport.split`). Runs the
+        encoder on the images it has not cached (between steps), which then serves their requests.
 
         Raises:
             ValueError/TypeError: the data is malformed, or the engine cannot serve this model's images."""
         self._check_open()
-        items = self.runner.image_support.split(multi_modal_data)
+        items = images if isinstance(images, list) else self.runner.image_support.split(images)
         with self._lock:
             features, num_encoded = self.core.executor.encode_images(items)
             self._metrics.mm_encoder_runs += num_encoded

@@ -8,6 +8,9 @@
 * `planning.py`: `attach` / `detach`, the forward pre-hook that turns a padded batch into one
   `StepMetadata` and picks the paged or dense attention path.
 * `padding.py`: which columns of a padded batch are real tokens (the left-padding rule).
+* `multimodal.py`: a vision-language model's images in the engine: split per image, encoded once per
+  content digest by the model's own encoder, placed at their placeholders (with Qwen's 3-D positions
+  and Gemma 3's bidirectional image blocks), and the block-hash spans that keep them apart.
 * `pool_sizing.py`: how far the KV pool may grow. `weights.py`: which weights a prefix was cached
   under (`weights_fingerprint`, and `invalidate` for changes it cannot see). `support.py`: which
   models are supported, and why not.

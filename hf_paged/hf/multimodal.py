@@ -15,9 +15,16 @@ images per row (`_expand_multimodal_outputs`). The runner embeds the chunk's ids
 features at the placeholder positions, as the model's forward does with `masked_scatter`.
 
 Served: decoders whose image placeholders are plain causal positions (LLaVA, LLaVA-NeXT, Mistral 3,
-InternVL, ...). Refused with a reason (callers fall back to stock `generate`): 3-D rope positions
-(Qwen-VL's `get_rope_index`), token-type masks (Gemma 3 and PaliGemma attend bidirectionally inside an
-image), encoders whose output is not one entry per image, and extra per-layer features (deepstack).
+InternVL, ...), and Qwen2-VL / Qwen2.5-VL's 3-D rope positions (M-RoPE): each request's positions come
+from the model's own `get_rope_index` when its images are placed, and a generated token at 1-D
+position p sits at p + the request's rope delta on every axis, as stock's decode steps compute.
+Images given as patches (`pixel_values` of [sum of patches, ...] beside `image_grid_thw`) are split by
+each image's grid. Gemma 3's image placeholders attend to each other both ways (the token-type mask its
+modelling module builds with `get_block_sequence_ids_for_mask`): each run of placeholders is one
+block, which the scheduler never splits across chunks and whose queries see keys up to the block's
+end (`ImageFeatures.key_limits`, the step's `StepMetadata.key_limits`). Refused with a reason
+(callers fall back to stock `generate`): other token-type masks (PaliGemma's prefix), encoders whose
+output is not one entry per image, and extra per-layer features (Qwen3-VL's deepstack).
 """
 
 from __future__ import annotations
@@ -30,8 +37,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Forward keywords that mean the decoder's mask or positions depend on the images beyond their ids.
-_MASK_OR_POSITION_KEYWORDS = ("token_type_ids", "mm_token_type_ids", "image_grid_thw", "rope_deltas")
+# Forward keywords that mean the decoder's mask or positions depend on the images beyond their ids
+# (the M-RoPE ones are served when the model computes its positions with `get_rope_index`).
+_MASK_KEYWORDS = ("token_type_ids",)
+_MROPE_KEYWORDS = ("mm_token_type_ids", "image_grid_thw", "rope_deltas")
+_DEEPSTACK_KEYWORDS = ("visual_pos_masks", "deepstack_visual_embeds")
 # Keyword arguments of `get_image_features` that are settings, not per-image inputs.
 _SETTING_PREFIXES = ("vision_feature", "return_dict", "output_")
 
@@ -60,6 +70,30 @@ class ImageFeatures:
 
     positions: list[int]
     features: torch.Tensor  # [len(positions), hidden]
+    mrope: torch.Tensor | None = None  # [3, prompt length] M-RoPE positions of the prompt (Qwen-VL)
+    mrope_delta: int = 0  # a later token at 1-D position p sits at p + mrope_delta on every axis
+    blocks: tuple[tuple[int, int], ...] = ()  # (start, end) of placeholder runs attended both ways (Gemma 3)
+
+    def key_limits(self, start: int, end: int) -> list[int] | None:
+        """For positions [start, end): the last key position each may see (itself, or the end of its
+        bidirectional image block); None when none of them is in a block."""
+        limits, touched = list(range(start, end)), False
+        for s, e in self.blocks:
+            for p in range(max(s, start), min(e, end)):
+                limits[p - start] = e - 1
+                touched = True
+        return limits if touched else None
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:  # [3, end - start]
+        """M-RoPE positions of 1-D positions [start, end): the prompt's own, then shifted by the delta."""
+        prompt = self.mrope.shape[1]
+        parts = []
+        if start < prompt:
+            parts.append(self.mrope[:, start:min(end, prompt)])
+        if end > prompt:
+            later = torch.arange(max(start, prompt), end) + self.mrope_delta
+            parts.append(later.expand(3, -1))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
     def rows_in(self, start: int, end: int) -> tuple[list[int], torch.Tensor]:
         """The placeholder positions in [start, end), as offsets from `start`, and their feature rows."""
@@ -74,7 +108,15 @@ class ImageSupport:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.token_id = image_token_id(model.config)
-        self.encoder = getattr(getattr(model, "base_model", model), "get_image_features", None)
+        base = getattr(model, "base_model", model)
+        self.encoder = getattr(base, "get_image_features", None)
+        rope_index = getattr(base, "get_rope_index", None)
+        rope_params = set(inspect.signature(rope_index).parameters) if rope_index is not None else set()
+        # M-RoPE the engine can place: positions from the ids' modality types and the images' grids.
+        self.rope_index = rope_index if {"input_ids", "mm_token_type_ids", "image_grid_thw"} <= rope_params else None
+        # Image blocks attended both ways, as the model's own module defines its token-type mask (Gemma 3).
+        module = inspect.getmodule(type(base))
+        self.is_bidirectional = hasattr(module, "get_block_sequence_ids_for_mask")
         self.reason = self._reason(model)
         params = inspect.signature(self.encoder).parameters if self.encoder is not None else {}
         self.input_names = tuple(name for name in params if name not in ("self", "kwargs")
@@ -85,10 +127,16 @@ class ImageSupport:
             return f"{type(model).__name__} takes no images"
         if self.token_id is None:
             return "its config names no image placeholder token (image_token_id)"
-        if hasattr(getattr(model, "base_model", model), "get_rope_index") or hasattr(model, "get_rope_index"):
-            return "its image positions are 3-D rope positions (get_rope_index), which the engine does not build yet"
+        base = getattr(model, "base_model", model)
+        if self.rope_index is None and hasattr(base, "get_rope_index"):
+            return "its 3-D rope positions (get_rope_index) take inputs the engine does not build"
         forward = set(inspect.signature(model.forward).parameters)
-        special = sorted(forward & set(_MASK_OR_POSITION_KEYWORDS))
+        text_model = getattr(base, "language_model", None)
+        text_forward = set(inspect.signature(text_model.forward).parameters) if text_model is not None else set()
+        if text_forward & set(_DEEPSTACK_KEYWORDS):
+            return "its decoder layers take image features of their own (deepstack), which the engine does not place"
+        special = sorted(forward & ((set() if self.is_bidirectional else set(_MASK_KEYWORDS))
+                                    | (set() if self.rope_index else set(_MROPE_KEYWORDS))))
         if special:
             return f"its forward takes {', '.join(special)}: its attention or positions depend on more than the ids"
         if "pixel_values" not in inspect.signature(self.encoder).parameters:
@@ -122,22 +170,43 @@ class ImageSupport:
             raise ValueError("multi_modal_data needs pixel_values, a tensor of [num_images, ...]")
         if not pixels.is_floating_point():
             raise TypeError(f"pixel_values must be floating point, got {pixels.dtype}")
-        num = pixels.shape[0]
+        grid = data.get("image_grid_thw")
+        if grid is not None:  # patches of every image in one tensor: image i has prod(grid[i]) rows
+            if not torch.is_tensor(grid) or grid.dim() != 2 or grid.shape[1] != 3 or grid.is_floating_point() \
+                    or bool((grid <= 0).any()):
+                raise ValueError("multi_modal_data['image_grid_thw'] must be positive integers of [num_images, 3]")
+            patches = grid.prod(-1).tolist()
+            if sum(patches) != pixels.shape[0]:
+                raise ValueError(f"pixel_values has {pixels.shape[0]} patches but image_grid_thw describes "
+                                 f"{sum(patches)}")
+            num = grid.shape[0]
+            bounds = [0]
+            for n in patches:
+                bounds.append(bounds[-1] + n)
+        else:
+            num = pixels.shape[0]
+            bounds = list(range(num + 1))
         for name, value in data.items():
-            if value is None:
+            if value is None or value is pixels:
                 continue
             if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != num:
                 raise ValueError(f"multi_modal_data[{name!r}] must be a tensor with one entry per image "
                                  f"({num}), got {getattr(value, 'shape', type(value).__name__)}")
         items = []
         for i in range(num):
-            inputs = {name: value[i:i + 1] for name, value in data.items() if value is not None}
+            inputs = {name: value[i:i + 1] for name, value in data.items() if value is not None and value is not pixels}
+            inputs["pixel_values"] = pixels[bounds[i]:bounds[i + 1]]
             items.append(ImageItem(_digest(inputs), inputs))
         return items
 
     def count_placeholders(self, token_ids: list[int]) -> list[int]:
         """Positions of the image placeholders among `token_ids`."""
         return [i for i, t in enumerate(token_ids) if t == self.token_id]
+
+
+def merge_items(items: list[ImageItem]) -> dict:
+    """The `multi_modal_data` of these images (each input concatenated in order): `split` undoes it."""
+    return {name: torch.cat([item.inputs[name] for item in items]) for name in items[0].inputs}
 
 
 def _digest(inputs: dict) -> str:
@@ -180,8 +249,9 @@ class ImageEncoder:
                 missing.setdefault(item.digest, item)
         groups: dict[tuple, list[ImageItem]] = {}
         for item in missing.values():
-            key = tuple((name, tuple(v.shape), v.dtype) for name, v in sorted(item.inputs.items()))
-            groups.setdefault(key, []).append(item)
+            key = tuple((name, tuple(v.shape[1:]) if name == "pixel_values" and "image_grid_thw" in item.inputs
+                         else tuple(v.shape), v.dtype) for name, v in sorted(item.inputs.items()))
+            groups.setdefault(key, []).append(item)  # patch images of any size share a call
         fresh: dict[str, torch.Tensor] = {}
         for group in groups.values():
             fresh.update(zip((i.digest for i in group), self._run(group)))
@@ -255,4 +325,23 @@ def place(support: ImageSupport, token_ids: list[int], items: list[ImageItem],
             spans.append((positions[at], positions[at + n - 1] + 1, item.digest))
         at += n
     stacked = torch.cat(features) if features else torch.empty(0)
-    return ImageFeatures(positions, stacked), tuple(spans)
+    placed = ImageFeatures(positions, stacked)
+    if support.is_bidirectional:
+        blocks = []
+        for p in positions:
+            if blocks and blocks[-1][1] == p:
+                blocks[-1][1] = p + 1
+            else:
+                blocks.append([p, p + 1])
+        placed.blocks = tuple((s, e) for s, e in blocks)
+    if support.rope_index is not None:
+        ids = torch.tensor([token_ids])
+        types = (ids == support.token_id).int()
+        grid = torch.cat([item.inputs["image_grid_thw"] for item in items])
+        with torch.inference_mode():
+            rope, delta = support.rope_index(input_ids=ids, mm_token_type_ids=types, image_grid_thw=grid)
+        if rope.shape != (3, 1, len(token_ids)):
+            raise ValueError(f"hf_paged: get_rope_index returned positions of {tuple(rope.shape)} for a prompt of "
+                             f"{len(token_ids)} tokens")
+        placed.mrope, placed.mrope_delta = rope[:, 0].cpu(), int(delta.reshape(-1)[0])
+    return placed, tuple(spans)

@@ -8,6 +8,11 @@ one clear `ValueError` before any forward.
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import textwrap
+
 import torch
 
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -86,6 +91,69 @@ def attention_refusal(model_class, config) -> str | None:
     )
 
 
+# Reading these off the K/V a cache returned is reading its layout, not its values.
+_LAYOUT_ATTRS = frozenset({"shape", "dtype", "device", "ndim"})
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_kv_uses(attention_class) -> tuple[int, str] | None:
+    """(line within its `forward`, name) of the first place an attention class uses the K/V its cache's
+    `update` returned other than by handing them to an attention function (or reading their shape);
+    None when it does not, or its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(attention_class.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    cached, first = set(), None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "update":
+            cached |= {n.id for target in node.targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+            first = node.lineno if first is None else min(first, node.lineno)
+    uses = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in cached
+                and node.lineno > first):
+            continue
+        parent = parents.get(node)
+        if isinstance(parent, ast.Attribute) and parent.attr in _LAYOUT_ATTRS:
+            continue
+        if isinstance(parent, ast.keyword):
+            parent = parents.get(parent)
+        if isinstance(parent, ast.Call) and node is not parent.func:
+            func = parent.func
+            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+            if "attention" in name.lower() or "attn" in name.lower():
+                continue  # handed to the attention function
+        uses.append((node.lineno, node.id))
+    return min(uses) if uses else None
+
+
+def cached_kv_refusal(model_class, config) -> str | None:
+    """Why `model_class` cannot read a paged cache because an attention class of its modelling module
+    computes with the K/V its cache returns before (or beside) its attention function (Doge builds its
+    mask from the values, DiffLlama splits them, JetMoe reshapes them): paged blocks are not dense K/V.
+    None when no such class is found. Latent-KV models (DeepSeek MLA) expand their latents there on
+    purpose and keep the dense path (`has_latent_kv`)."""
+    try:
+        if has_latent_kv(config) or getattr(config, "is_encoder_decoder", False):
+            return None
+    except Exception:  # noqa: BLE001 - a config this question cannot read (per-layer ones): no refusal from here
+        return None
+    module = inspect.getmodule(model_class)
+    for name, cls in inspect.getmembers(module, inspect.isclass):
+        if (cls.__module__ != getattr(module, "__name__", None) or "Attention" not in name or "Cross" in name
+                or not issubclass(cls, torch.nn.Module)):
+            continue
+        use = _cached_kv_uses(cls)
+        if use is not None:
+            return (f"attn_implementation='hf_paged' cannot serve {model_class.__name__}: its {name} computes with the "
+                    f"K/V its cache returns ({use[1]!r}, line {use[0]} of its forward) besides handing them to the "
+                    f"attention function, and a paged cache returns blocks, not dense K/V; {_INSTEAD}")
+    return None
+
+
 def check_attention_routed(model) -> None:
     """Raise ValueError when `model` or its language model (a VLM's) does not route attention through
     transformers' attention interface (see `attention_refusal`): the engine and `attach` need every
@@ -96,7 +164,8 @@ def check_attention_routed(model) -> None:
     text_config = model.config.get_text_config(decoder=True)
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and (module is model or module.config is text_config):
-            reason = attention_refusal(type(module), model.config if module is model else module.config)
+            config = model.config if module is model else module.config
+            reason = attention_refusal(type(module), config) or cached_kv_refusal(type(module), config)
             if reason is not None:
                 raise ValueError(reason)
 

@@ -20,7 +20,11 @@ stops such a row at once, so those steps are computed afterwards the way stock c
 teacher-forced dense forward of the row's whole padded sequence (its prompt with stock's attention
 mask, its tokens, the pads after them; the "hf_paged" attention without paged metadata is
 transformers' sdpa/eager), processed by stock's own `LogitsProcessorList` with stock's `input_ids` at
-that step (`_stock_rows_after_finish`).
+that step (`stock_scores.py`).
+
+With images (`pixel_values` and the encoder's other inputs, for a model whose images the engine can
+place: `hf.multimodal.ImageSupport`) each row becomes a request carrying its own images, split from
+the batch's by each image's placeholder count as transformers splits them (`EngineCall.prompts`).
 
 The generation config is merged exactly as stock merges it (the model's `generation_config`,
 transformers' defaults such as `top_k=50`, the call's keywords, stock's length rules) and mapped field
@@ -38,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import inspect
 import logging
 import threading
 import warnings
@@ -53,7 +56,9 @@ from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
 from ..hf.multimodal import ImageSupport
 from ..hf.support import has_latent_kv
+from .images import expanded_images, image_data_of, image_side_inputs, row_prompts
 from .returned_cache import ReturnedCache
+from .stock_scores import output_vocab_size, stock_processors, stock_rows_after_finish
 from .shared_prompts import generate_rows
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
 
@@ -66,9 +71,6 @@ _MODEL_INPUTS = {"input_ids", "attention_mask"}
 _IGNORED = {"labels"}
 # Every GenerationConfig field may be passed as a keyword; `sampling_params_from` judges its value.
 _CONFIG_KEYS = frozenset(GenerationConfig().to_dict()) | {"generation_config"}
-# Teacher-forced forwards for finished rows: rows per forward bounded by this many fp32 elements of
-# kept logits plus hidden states.
-_FORWARD_BUDGET = 1 << 26
 # The output field of the returned cache (`cache` since transformers 5.24, `past_key_values` before).
 _CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
@@ -101,23 +103,7 @@ class EngineCall:
         images per row: by each image's placeholder count, which the engine's encoder gives)."""
         if self.image_data is None:
             return self.rows
-        counts = engine.image_token_counts(self.image_data)
-        token_id = engine.image_token_id
-        prompts, at = [], 0
-        for row in self.rows:
-            need, first = row.count(token_id), at
-            while need > 0 and at < len(counts):
-                need -= counts[at]
-                at += 1
-            if need:
-                raise ValueError(f"Image features and image tokens do not match: a row has {row.count(token_id)} "
-                                 f"image tokens, its images give {row.count(token_id) - need} features")
-            data = {k: v[first:at] for k, v in self.image_data.items()} if at > first else None
-            prompts.append({"prompt_token_ids": row, "multi_modal_data": data} if data else row)
-            self.row_images.append(data)
-        if at != len(counts):
-            raise ValueError(f"Image features and image tokens do not match: {len(counts)} images for "
-                             f"{at} images' placeholders")
+        prompts, self.row_images = row_prompts(self.model, engine, self.rows, self.image_data)
         return prompts
 
     @property
@@ -221,8 +207,12 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if has_latent_kv(model.config):
         return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
     passed = passed_cache(kwargs)
-    image_data = _image_data(model, kwargs)
-    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - set(image_data or ()) - {
+    image_data = image_data_of(model, kwargs)
+    image_side = image_side_inputs(model, kwargs, input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
+                                    image_data=image_data)
+    if image_side is None:
+        return None
+    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - set(image_data or ()) - image_side - {
         "assistant_model", "streamer", "stopping_criteria", "tokenizer"}
     if "synced_gpus" in kwargs and not kwargs["synced_gpus"]:
         unknown.discard("synced_gpus")
@@ -282,8 +272,8 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         logger.debug("hf_paged: stock generate serves this call (its processors see the left padding)")
         return None
     if params.output_scores:
-        try:  # stock's processors complete finished rows' scores (see `_stock_rows_after_finish`)
-            _stock_processors(model, gc, attention_mask.long(), width, input_ids.device)
+        try:  # stock's processors complete finished rows' scores (see `stock_scores.stock_rows_after_finish`)
+            stock_processors(model, gc, attention_mask.long(), width, input_ids.device)
         except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
             logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
             return None
@@ -311,31 +301,14 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         logger.debug("hf_paged: stock generate serves this call (streamer/criteria with n=%d, scores or n-grams)",
                      params.n)
         return None
+    if "mm_token_type_ids" in image_side and gc.use_cache is not False and (gc.return_dict_in_generate
+                                                                            or passed is not None):
+        # A returned cache turns dense with 1-D positions (`ReturnedCache.to_dense`): not Qwen-VL's 3-D ones.
+        logger.debug("hf_paged: stock generate serves this call (a returned cache of M-RoPE images)")
+        return None
     return EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
                       rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
                       streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data)
-
-
-def _expanded_images(row_images: list, n: int) -> dict | None:
-    """The image inputs of stock's expanded batch (each row's n samples, each with the row's images)."""
-    parts = [data for data in row_images if data for _ in range(n)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else None
-
-
-def _image_data(model, kwargs: dict) -> dict | None:
-    """The call's image inputs, when the engine can place this model's images (`hf.multimodal`); None
-    without images, or when only stock can serve them (the names then stay unknown keywords)."""
-    if kwargs.get("pixel_values") is None:
-        return None
-    support = ImageSupport(model)
-    if not support.is_supported:
-        logger.debug("hf_paged: stock generate serves this call (images: %s)", support.reason)
-        return None
-    data = {k: v for k, v in kwargs.items() if k in support.input_names and v is not None}
-    if not all(torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == data["pixel_values"].shape[0]
-               for v in data.values()):
-        return None  # not one entry per image: stock's own checks and errors
-    return data
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):
@@ -371,14 +344,17 @@ def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: l
             passed.adopt(engine, sequences[:, :-1], mask, kept)
             cache = passed
         else:
-            cache = ReturnedCache(model, engine, sequences[:, :-1], mask, kept, _expanded_images(call.row_images, n))
+            images = expanded_images(call.row_images, n)
+            if images is not None and ImageSupport(model).is_bidirectional:  # stock's token types, for to_dense
+                images["token_type_ids"] = (sequences[:, :-1] == engine.image_token_id).long()
+            cache = ReturnedCache(model, engine, sequences[:, :-1], mask, kept, images)
     if not gc.return_dict_in_generate:
         return sequences
     scores = logits = None
     if params.output_scores or params.output_logits:
         mask = attention_mask.to(device=device, dtype=torch.long)
         mask = mask.repeat_interleave(n, dim=0) if n > 1 else mask
-        scores, logits = _stock_rows_after_finish(model, gc, sequences, mask, width, samples, params)
+        scores, logits = stock_rows_after_finish(model, gc, sequences, mask, width, samples, params)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits,
                                      **({_CACHE_FIELD: cache} if cache is not None else {}))
 
@@ -469,15 +445,6 @@ def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torc
 
 
 # ---------------------------------------------------------------------------------- inputs
-def output_vocab_size(model) -> int | None:
-    """The width of the model's logits (what stock's processors check token ids against)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    size = getattr(head, "out_features", None)
-    if size is None:
-        size = getattr(model.config.get_text_config(), "vocab_size", None)
-    return size
-
-
 def _inferred_attention_mask(input_ids: torch.Tensor, pad: int, eos_ids: list[int]) -> torch.Tensor:
     """Stock's mask when none is passed (`_prepare_attention_mask_for_generation`): the non-pad tokens
     if the inputs hold the pad id and it is no end-of-sequence id, else every token."""
@@ -656,83 +623,3 @@ def pool_kwargs(model, batch_size: int, max_len: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------- scores / logits
-def _stock_rows_after_finish(model, gc, sequences: torch.Tensor, mask: torch.Tensor, width: int, samples,
-                             params) -> tuple[tuple | None, tuple | None]:
-    """Stock's `scores` / `logits` tuples: per generated step one fp32 [rows, vocab] tensor.
-
-    A row's steps up to its end are the engine's rows. Stock computes the later steps of a finished
-    row too: its forward on the token fed there (the row's last token, then pads), with the mask
-    extended by ones, then its processors on `input_ids` as they stand (pads included). Those steps
-    come from one teacher-forced forward of the row's padded sequence (all logits at once, kept for
-    the missing positions only) and stock's own `LogitsProcessorList`, applied step by step to the
-    rows missing that step, with those rows' `input_ids` at that step."""
-    device = sequences.device
-    total = sequences.shape[1] - width  # generated width
-    lengths = [len(s.token_ids) for s in samples]
-    short = [r for r, g in enumerate(lengths) if g < total]
-    raw_late = _teacher_forced_logits(model, sequences, mask, short, lengths, width) if short else {}
-    late_scores: dict[int, list[torch.Tensor]] = {r: [] for r in short}
-    if params.output_scores and short:
-        processors_for: dict[tuple[int, ...], object] = {}
-        for t in range(min(lengths[r] for r in short), total):
-            group = tuple(r for r in short if lengths[r] <= t)
-            if group not in processors_for:
-                processors_for[group] = _stock_processors(model, gc, mask[list(group)], width, device)
-            x = torch.stack([raw_late[r][t - lengths[r]] for r in group])
-            out = processors_for[group](sequences[list(group), : width + t], x.clone())
-            for j, r in enumerate(group):
-                late_scores[r].append(out[j])
-
-    def steps(kind: str, late: dict[int, list[torch.Tensor]]) -> tuple:
-        per_row = [[x.to(device=device, dtype=torch.float32) for x in getattr(s, kind)] + late.get(r, [])
-                   for r, s in enumerate(samples)]
-        return tuple(torch.stack([row[t] for row in per_row]) for t in range(total))
-
-    scores = steps("scores", late_scores) if params.output_scores else None
-    logits = steps("logits", raw_late) if params.output_logits else None
-    return scores, logits
-
-
-def _teacher_forced_logits(model, sequences: torch.Tensor, mask: torch.Tensor, short: list[int],
-                           lengths: list[int], width: int) -> dict[int, list[torch.Tensor]]:
-    """Raw fp32 logits stock computes for each row of `short` after it finished: the rows of steps
-    `lengths[r]` .. end, from one dense forward (no cache) of its sequence up to the last fed token,
-    with stock's mask (prompt mask, then ones) and positions (cumulative mask - 1, as generate does)."""
-    total = sequences.shape[1] - width
-    length = width + total - 1  # the last generated token is never fed
-    ids = sequences[:, :length]
-    full_mask = torch.cat([mask, mask.new_ones(mask.shape[0], total - 1)], dim=1)
-    positions = (full_mask.cumsum(-1) - 1).masked_fill(full_mask == 0, 0)
-    model_device = next(model.parameters()).device
-    keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-    hidden = getattr(model.config.get_text_config(), "hidden_size", 0) or 0
-    vocab = output_vocab_size(model) or 1
-    order = sorted(short, key=lambda r: lengths[r])  # most missing steps first
-    out: dict[int, list[torch.Tensor]] = {}
-    start = 0
-    with torch.no_grad():
-        while start < len(order):
-            keep = total - lengths[order[start]]
-            per_row = length * hidden + keep * vocab
-            count = max(1, min(len(order) - start, _FORWARD_BUDGET // max(per_row, 1)))
-            chunk = order[start: start + count]
-            start += count
-            extra = {"logits_to_keep": keep} if keeps_logits else {}
-            result = model(input_ids=ids[chunk].to(model_device), attention_mask=full_mask[chunk].to(model_device),
-                           position_ids=positions[chunk].to(model_device), use_cache=False, **extra)
-            rows = result.logits[:, -keep:].to(device=sequences.device, dtype=torch.float32)
-            for j, r in enumerate(chunk):
-                missing = total - lengths[r]
-                out[r] = list(rows[j, keep - missing:])
-    return out
-
-
-def _stock_processors(model, gc, mask: torch.Tensor, width: int, device):
-    """Stock's `LogitsProcessorList` for these rows (built as `generate` builds it, from the prepared
-    config and the rows' attention mask, which the repetition penalty reads for the padding)."""
-    gc = copy.deepcopy(gc)
-    model._prepare_special_tokens(gc, True, device=device)
-    return model._get_logits_processor(
-        generation_config=gc, input_ids_seq_length=width, encoder_input_ids=None, prefix_allowed_tokens_fn=None,
-        logits_processor=None, device=device, model_kwargs={"attention_mask": mask},
-    )

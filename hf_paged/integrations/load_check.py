@@ -11,7 +11,9 @@ loaders. Without these, such a model either fails deep inside its own layers
 (`KeyError: 'hf_paged'` from Falcon's, GPT-Neo's or GIT's attention-class tables) or, worse, loads and
 attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute attention themselves and read our mask
 in the wrong form). A decoder with cross-attention layers (Mllama, Idefics), whose image K/V would
-land in the paged cache, is refused the same way (`hf.support.cross_attention_refusal`). Sub-models
+land in the paged cache, is refused the same way (`hf.support.cross_attention_refusal`), and so is one whose attention computes
+with the K/V its cache returns before its attention function (`hf.support.cached_kv_refusal`: Doge's
+values-made mask, DiffLlama's split values, JetMoe). Sub-models
 that do not generate (vision towers, encoder stacks) are left alone: they never read the paged
 cache. Reversible (`uninstall`), like the generate patch.
 """
@@ -23,7 +25,7 @@ import functools
 from transformers import PreTrainedModel
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..hf.support import attention_refusal, cross_attention_refusal
+from ..hf.support import attention_refusal, cached_kv_refusal, cross_attention_refusal
 
 _original = None
 _original_loaders: dict[str, classmethod] = {}
@@ -46,7 +48,8 @@ def install() -> None:
         applicable = original(self, requested_attention, is_init_check)
         if applicable == ATTN_IMPLEMENTATION and type(self).can_generate():
             reason = (attention_refusal(type(self), self.config)
-                      or cross_attention_refusal(self.config, include_decoder_flag=False))
+                      or cross_attention_refusal(self.config, include_decoder_flag=False)
+                      or cached_kv_refusal(type(self), self.config))
             if reason is not None:
                 raise ValueError(reason)
         return applicable

@@ -330,7 +330,9 @@ class Server:
             raise APIError(400, f"the model's processor cannot render these messages: {exc}",
                            param="messages") from None
         ids = out["input_ids"][0].tolist()
-        images = {k: v for k, v in out.items() if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        # The ids' (modality) types of Qwen-VL's and Gemma 3's processors are derived by the engine from the ids.
+        images = {k: v for k, v in out.items()
+                  if k not in ("input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids")}
         if "pixel_values" not in images:
             raise APIError(400, "the model's processor produced no pixel_values for these images", param="messages")
         return ids, images

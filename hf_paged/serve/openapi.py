@@ -99,8 +99,17 @@ def _request_schema(names: set[str], model_name: str, limits: Limits, vocab_size
     if chat:
         props["messages"] = {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role", "content"], "additionalProperties": False,
-            "properties": {"role": {"type": "string", "enum": list(ROLES)}, "content": {"type": "string"},
-                           "name": {"type": "string"}}}}
+            "properties": {"role": {"type": "string", "enum": list(ROLES)}, "content": {"oneOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"oneOf": [
+                    {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}},
+                    {"type": "object", "required": ["type", "image_url"], "additionalProperties": False,
+                     "properties": {"type": {"const": "image_url"}, "image_url": {
+                         "type": "object", "required": ["url"], "additionalProperties": False,
+                         "properties": {"url": {"type": "string", "pattern": "^data:image/"},
+                                        "detail": {"type": "string"}}}}}]}}]},
+                "name": {"type": "string"}}}}
         props["logprobs"] = {"type": "boolean"}
         props["top_logprobs"] = {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs}
         props["max_completion_tokens"] = max_tokens

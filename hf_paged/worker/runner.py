@@ -10,6 +10,12 @@ has them (`enable_cuda_graphs`, see `cuda_graphs.py`); every other step, and eve
 graphs, runs eagerly. Either way the step's inputs reach the device through asynchronous copies:
 nothing here waits for the device.
 
+A chunk that feeds image placeholders (`Chunk.images`) makes the step run from input embeddings: the
+ids' embeddings with the image features written at those positions (`hf.multimodal`); such a step
+also carries Qwen's 3-D positions and Gemma 3's key limits where its requests need them. The runner
+owns the image encoder and its cache (`place_images`, called by the core before a request is first
+scheduled).
+
 Owns the forward and its tensors (ids, positions, the logits index); it does not choose what runs
 (the scheduler does) or what is sampled (`sampling.py`).
 """
@@ -105,7 +111,8 @@ class ModelRunner:
         began = time.perf_counter()
         key = None
         placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
-        if self.graphs is not None and not copies and not placed and all(
+        rope = any(c.images is not None and c.images.mrope is not None for c in chunks)  # Qwen-VL's 3-D positions
+        if self.graphs is not None and not copies and not placed and not rope and all(
                 len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
         if key is not None:
@@ -126,10 +133,13 @@ class ModelRunner:
             seq_lens=[c.seq.num_tokens for c in chunks],
             copies=copies,
             device=self.device,
+            key_limits=self._key_limits(chunks) if placed else None,
             **self.kv.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks]),
         )
         ids = host_to_device([input_ids], torch.long, self.device)  # [1, num_tokens]
         pos = host_to_device([positions], torch.long, self.device)  # [1, num_tokens]
+        if rope:
+            pos = self._rope_positions(chunks).to(self.device, non_blocking=True)  # [3, 1, num_tokens]
         keep_index = host_to_device(keep, torch.long, self.device)  # [sum(num_logits)]
         embeds = self._embed_with_images(ids, [(starts[i], rows) for i, rows in placed]) if placed else None
         self.kv.begin(meta)
@@ -177,6 +187,30 @@ class ModelRunner:
             out = self.model(**inputs, position_ids=pos, use_cache=True, paged_metadata=meta,
                              logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
         return out.logits[0]
+
+    @staticmethod
+    def _key_limits(chunks: list[Chunk]) -> list[int] | None:
+        """Per token of the step, the last key position it sees: past itself only inside an image block
+        attended both ways (Gemma 3; the scheduler keeps each block in one chunk). None: all causal."""
+        per_chunk = [c.images.key_limits(c.start, c.start + len(c.token_ids)) if c.images is not None else None
+                     for c in chunks]
+        if all(limits is None for limits in per_chunk):
+            return None
+        return [p for c, limits in zip(chunks, per_chunk)
+                for p in (limits if limits is not None else range(c.start, c.start + len(c.token_ids)))]
+
+    @staticmethod
+    def _rope_positions(chunks: list[Chunk]) -> torch.Tensor:  # [3, 1, num_tokens]
+        """M-RoPE positions of the step: a request with images takes its own (`ImageFeatures.rope_positions`),
+        a text-only one its 1-D positions on every axis (what the model builds from 1-D positions)."""
+        parts = []
+        for c in chunks:
+            end = c.start + len(c.token_ids)
+            if c.images is not None and c.images.mrope is not None:
+                parts.append(c.images.rope_positions(c.start, end))
+            else:
+                parts.append(torch.arange(c.start, end).expand(3, -1))
+        return torch.cat(parts, dim=1)[:, None, :]
 
     def _embed_with_images(self, ids: torch.Tensor, placed: list[tuple[int, tuple[list[int], torch.Tensor]]]
                            ) -> torch.Tensor:  # [1, num_tokens, hidden]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -139,6 +140,36 @@ def assert_matches(out, expected, dtype):
 
 # ---------------------------------------------------------------------------------------------- #
 # paged_attention
+
+
+@pytest.mark.parametrize("sliding_window", [None, 9])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_key_limits_let_an_image_block_attend_both_ways(block_size, sliding_window, monkeypatch):
+    """Gemma 3's images: the queries of a block see every key of the block (up to its end), the others
+    stay causal; through the step plan, which takes the torch path even where Triton is asked for."""
+    rows = [(54, 20), (17, 4), (97, 1), (40, 40), (16, 0)]
+    batch = make_paged_batch(rows, block_size, 6, 2, 16, torch.float32, seed=3)
+    limits, blocks = [], {0: [(36, 45)], 1: [(13, 17)], 3: [(0, 5), (20, 36)]}
+    for b, (seq_len, q_len) in enumerate(rows):
+        own = list(range(seq_len - q_len, seq_len))
+        for s, e in blocks.get(b, []):
+            own = [e - 1 if s <= p < e else p for p in own]
+        limits.append(torch.tensor(own, dtype=torch.long))
+    key_limits = torch.cat(limits)
+    monkeypatch.setenv("HF_PAGED_BACKEND", "triton")
+    step = SimpleNamespace(key_limits=key_limits, seq_lens=batch.seq_lens)
+    plan = dispatch.plan(step)
+    assert plan.backend == "torch"
+    out = dispatch.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
+                                   batch.seq_lens, batch.cu_seqlens_q, batch.max_seqlen_q, batch.max_seqlen_k, 0.25,
+                                   sliding_window=sliding_window, plan=plan)
+    cu = batch.cu_seqlens_q.tolist()
+    expected = torch.cat([reference.causal_attention(batch.query[cu[b]:cu[b + 1]], batch.keys[b], batch.values[b],
+                                                     0.25, sliding_window, key_limits=limits[b])
+                          for b in range(len(rows))])
+    assert_matches(out, expected, torch.float32)
+    causal = naive_batch(batch, 0.25, sliding_window=sliding_window)
+    assert (out.double() - causal).abs().max() > 1e-2  # the blocks really changed the answer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

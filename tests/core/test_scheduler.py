@@ -1288,3 +1288,25 @@ def test_blocks_staged_by_a_failed_step_are_never_found_again():
     assert block in out.scheduled[0].request.seq.block_table  # the block now holds b's tokens
     assert pool.lookup(block_hash) is None
     pool.check_invariants()
+
+
+def test_prefill_chunks_never_end_inside_an_atomic_span():
+    """An image attended both ways (Gemma 3) is computed in one chunk: a chunk that would end inside it is
+    cut at its start, and one starting there waits for a budget that holds it whole."""
+    pool, sched = make(64, 4, budget=10)
+    r = req(range(1, 41), max_new=2)
+    r.atomic_spans = ((6, 14), (20, 28))
+    assert r.fit_chunk(0, 10) == 6 and r.fit_chunk(6, 10) == 10 and r.fit_chunk(16, 8) == 4
+    assert r.fit_chunk(21, 6) == 0 and r.fit_chunk(21, 7) == 7
+    other = req(range(50, 53), max_new=30)
+    sched.add(other)
+    sched.add(r)
+    chunks = []
+    while r.num_computed_tokens < r.num_prompt_tokens:
+        out = sched.schedule()
+        chunks += [(e.start, e.start + len(e.token_ids)) for e in out.scheduled if e.request is r]
+        sample(out)
+    ends = [end for _, end in chunks]
+    assert all(not (s < end < e) for end in ends for s, e in r.atomic_spans)
+    assert chunks[0][0] == 0 and all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])) and ends[-1] == 40
+    pool.check_invariants()

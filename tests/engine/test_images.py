@@ -39,28 +39,75 @@ HEAD_A, HEAD_B = [5, 6, 7], [9, 10, 11, 12, 13]
 TAIL = list(range(20, 34))
 
 
-def test_sixteen_requests_mixing_four_images_and_text_match_stock(llava):
-    stock, ours = llava
-    images = tiny_images(4)
+class _Family:
+    """How one VLM family's tiny model takes images: its prompt layout, its processor outputs per image,
+    and the extra keywords stock `generate` gets (what the family's processor would return)."""
+
+    def __init__(self, name: str):
+        import tiny_models as tm
+
+        self.name = name
+        if name == "llava":
+            self.build = lambda attn: tm.tiny_vlm("llava", attn)
+            images = tiny_images(4, seed=10)
+            self.items = [{"pixel_values": images[i:i + 1]} for i in range(4)]
+            self.open, self.per_image, self.close = [], PER_IMAGE, [3]
+        elif name == "qwen2_vl":
+            self.build = lambda attn: tm.tiny_qwen2_vl(attn)
+            self.items = [tm.qwen2_vl_image(8, 8, seed=10 + i) for i in range(4)]  # 16 placeholders each
+            self.open, self.per_image, self.close = [tm.VOCAB - 3], 16, [tm.VOCAB - 4]
+        else:  # gemma3: the placeholders of one image attend to each other both ways
+            self.build = lambda attn: tm.tiny_gemma3_vlm("eager" if attn == "sdpa" else attn)
+            images = tiny_images(4, seed=10)
+            self.items = [{"pixel_values": images[i:i + 1]} for i in range(4)]
+            self.open, self.per_image, self.close = [tm.VOCAB - 3], 16, [tm.VOCAB - 4]
+
+    def prompt(self, head: list[int], idx: list[int], tail: list[int]) -> list[int]:
+        ids = [1] + head
+        for _ in idx:
+            ids += self.open + [IMAGE_TOKEN] * self.per_image + self.close
+        return ids + tail
+
+    def data(self, idx: list[int]) -> dict:
+        return {k: torch.cat([self.items[i][k] for i in idx]) for k in self.items[0]}
+
+    def stock_kwargs(self, ids: torch.Tensor, idx: list[int]) -> dict:
+        if not idx:
+            return {}
+        extra = {"qwen2_vl": {"mm_token_type_ids": (ids == IMAGE_TOKEN).int()},
+                 "gemma3": {"token_type_ids": (ids == IMAGE_TOKEN).long()}}.get(self.name, {})
+        return {**self.data(idx), **extra}
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
+def test_sixteen_requests_mixing_four_images_and_text_match_stock(family):
+    fam = _Family(family)
+    stock, ours = fam.build("sdpa"), fam.build("hf_paged")
     requests = []  # (prompt ids, image indices)
     for i in range(4):  # each image three times: two texts, one repeated exactly
-        requests += [(_prompt(HEAD_A, 1, TAIL), [i]), (_prompt(HEAD_B, 1, TAIL), [i]), (_prompt(HEAD_A, 1, TAIL), [i])]
-    requests += [(_prompt(HEAD_A, 0, TAIL), []), (_prompt(HEAD_B, 0, TAIL), []),
-                 (_prompt(HEAD_A, 0, TAIL), [])]
-    requests.append((_prompt(HEAD_B, 2, TAIL), [2, 3]))  # two images in one prompt, in order
+        requests += [(fam.prompt(HEAD_A, [i], TAIL), [i]), (fam.prompt(HEAD_B, [i], TAIL), [i]),
+                     (fam.prompt(HEAD_A, [i], TAIL), [i])]
+    requests += [(fam.prompt(HEAD_A, [], TAIL), []), (fam.prompt(HEAD_B, [], TAIL), []),
+                 (fam.prompt(HEAD_A, [], TAIL), [])]
+    requests.append((fam.prompt(HEAD_B, [2, 3], TAIL), [2, 3]))  # two images in one prompt, in order
     assert len(requests) == 16
-    prompts = [{"prompt_token_ids": ids, "multi_modal_data": {"pixel_values": images[idx]}} if idx else ids
-               for ids, idx in requests]
+    prompts = [{"prompt_token_ids": ids, "multi_modal_data": fam.data(idx)} if idx else ids for ids, idx in requests]
     engine = Engine(ours, max_num_seqs=4, num_blocks=64)  # four at a time: later ones find earlier blocks
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    got = [o.outputs[0].token_ids for o in outputs]
-    want = [_stock_tokens(stock, ids, images[idx] if idx else None) for ids, idx in requests]
-    assert got == want
-    assert got[0] != got[3], "images A and B behind the same placeholders must give different answers"
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, output_logits=True))
+    for (ids, idx), out in zip(requests, outputs):
+        t = torch.tensor([ids])
+        want = stock.generate(input_ids=t, **fam.stock_kwargs(t, idx), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert out.outputs[0].token_ids == want.sequences[0, len(ids):].tolist()
+        # fp32: about 1e-6 apart; a causal mask over Gemma 3's images is ~1e-4 off in this tiny model.
+        torch.testing.assert_close(out.outputs[0].logits[0], want.logits[0][0], atol=1e-5, rtol=1e-5)
+    # Images A and B behind the same placeholders must give different answers.
+    a, b = outputs[0].outputs[0].logits[0], outputs[3].outputs[0].logits[0]
+    assert (a - b).abs().max() > 1e-3
     metrics = engine.metrics()
     assert metrics["mm_encoder_runs"] == 4  # once per distinct image
     assert metrics["vllm:mm_cache_queries"] == 14 and metrics["vllm:mm_cache_hits"] == 10
-    assert metrics["mm_prefix_cache_hits"] >= 4 * PER_IMAGE  # repeated (text, image) pairs reuse image blocks
+    assert metrics["mm_prefix_cache_hits"] >= 8  # repeated (text, image) pairs reuse the blocks of their images
 
 
 def test_different_images_behind_the_same_placeholders_never_share_blocks(llava):
@@ -211,3 +258,120 @@ def test_a_vlm_call_returns_a_returned_cache_that_stock_generate_continues(llava
               "max_new_tokens": NEW, "do_sample": False}
     assert torch.equal(ours.generate(**second, **{CACHE_KEY: getattr(got, CACHE_KEY)}),
                        stock.generate(**second, **{CACHE_KEY: getattr(want, CACHE_KEY)}))
+
+
+# ---------------------------------------------------------------------------------- Qwen2-VL (M-RoPE)
+def _qwen_prompt(head: list[int], grids: list[tuple[int, int]], tail: list[int]) -> list[int]:
+    from tiny_models import VOCAB
+
+    ids = [1] + head
+    for h, w in grids:  # vision start, the image's merged patches, vision end
+        ids += [VOCAB - 3] + [IMAGE_TOKEN] * (h * w // 4) + [VOCAB - 4]
+    return ids + tail
+
+
+def _qwen_images(images: list[dict], idx: list[int]) -> dict:
+    return {k: torch.cat([images[i][k] for i in idx]) for k in ("pixel_values", "image_grid_thw")}
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    from tiny_models import tiny_qwen2_vl
+
+    return tiny_qwen2_vl(), tiny_qwen2_vl("hf_paged")
+
+
+def test_qwen2_vl_three_d_positions_match_stock_through_chunks_and_the_prefix_cache(qwen2_vl):
+    from tiny_models import qwen2_vl_image
+
+    stock, ours = qwen2_vl
+    images = [qwen2_vl_image(4, 4, 0), qwen2_vl_image(4, 6, 1), qwen2_vl_image(6, 8, 2)]
+    tail = list(range(20, 40))
+    requests = [(_qwen_prompt([5, 6], [(4, 4)], tail), [0]), (_qwen_prompt([5, 6], [(4, 6)], tail), [1]),
+                (_qwen_prompt([7], [(4, 4), (6, 8)], [9, 9]), [0, 2]), (_qwen_prompt([5, 6], [], tail), []),
+                (_qwen_prompt([5, 6], [(4, 4)], tail), [0])]
+    engine = Engine(ours, max_num_seqs=2, max_num_batched_tokens=8, num_blocks=32)  # 8-token chunks split images
+    outs = engine.generate([{"prompt_token_ids": ids, "multi_modal_data": _qwen_images(images, idx)} if idx else ids
+                            for ids, idx in requests], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    for (ids, idx), out in zip(requests, outs):
+        t = torch.tensor([ids])
+        extra = {**_qwen_images(images, idx), "mm_token_type_ids": (t == IMAGE_TOKEN).int()} if idx else {}
+        want = stock.generate(input_ids=t, **extra, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        assert out.outputs[0].token_ids == want[0, len(ids):].tolist()
+    assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids
+    metrics = engine.metrics()
+    assert metrics["mm_encoder_runs"] == 3 and metrics["mm_prefix_cache_hits"] > 0
+
+
+def test_qwen2_vl_drop_in_generate_with_a_padded_batch(qwen2_vl):
+    from tiny_models import qwen2_vl_image
+
+    stock, ours = qwen2_vl
+    images = [qwen2_vl_image(4, 4, 3), qwen2_vl_image(6, 4, 4)]
+    rows = [_qwen_prompt([5], [(4, 4)], [8, 9, 10, 11]), _qwen_prompt([6, 7, 8], [(6, 4), (4, 4)], [12]),
+            _qwen_prompt([9], [], [13, 14])]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    kwargs = dict(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE_TOKEN).int(),
+                  **_qwen_images(images, [0, 1, 0]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    want = stock.generate(**kwargs)
+    ours.hf_paged_last_metrics = None
+    assert torch.equal(ours.generate(**kwargs), want)
+    assert ours.hf_paged_last_metrics["num_steps"] > 0
+
+
+# ---------------------------------------------------------------------------------- Gemma 3 (bidirectional images)
+@pytest.fixture(scope="module")
+def gemma3():
+    return _Family("gemma3")
+
+
+def test_gemma3_images_stay_whole_in_small_chunks_and_attend_both_ways(gemma3):
+    stock, ours = gemma3.build("sdpa"), gemma3.build("hf_paged")
+    requests = [(gemma3.prompt(HEAD_A, [0], TAIL), [0]), (gemma3.prompt([7], [1, 2], [9]), [1, 2]),
+                (gemma3.prompt(HEAD_B, [], TAIL), [])]
+    # 20-token chunks: an image (16 placeholders between its markers) never fits after the text before it,
+    # so every chunk that reaches one is cut at its start.
+    engine = Engine(ours, max_num_seqs=2, max_num_batched_tokens=20, num_blocks=32)
+    outs = engine.generate([{"prompt_token_ids": ids, "multi_modal_data": gemma3.data(idx)} if idx else ids
+                            for ids, idx in requests], SamplingParams(max_new_tokens=NEW, ignore_eos=True,
+                                                                      output_logits=True))
+    for (ids, idx), out in zip(requests, outs):
+        t = torch.tensor([ids])
+        want = stock.generate(input_ids=t, **gemma3.stock_kwargs(t, idx), max_new_tokens=NEW, min_new_tokens=NEW,
+                              do_sample=False, output_logits=True, return_dict_in_generate=True)
+        assert out.outputs[0].token_ids == want.sequences[0, len(ids):].tolist()
+        torch.testing.assert_close(out.outputs[0].logits[0], want.logits[0][0], atol=1e-5, rtol=1e-5)
+    too_small = Engine(ours, max_num_batched_tokens=12, num_blocks=32)
+    out = too_small.generate([{"prompt_token_ids": requests[0][0], "multi_modal_data": gemma3.data([0])}],
+                             SamplingParams(max_new_tokens=2))[0]
+    assert out.outputs[0].finish_reason == "error" and "max_num_batched_tokens is 12" in str(out.outputs[0].error)
+
+
+def test_gemma3_drop_in_generate_follows_stock_with_and_without_token_types(gemma3):
+    from hf_paged.integrations.returned_cache import ReturnedCache
+    from tiny_models import CACHE_KEY
+
+    stock, ours = gemma3.build("sdpa"), gemma3.build("hf_paged")
+    rows = [gemma3.prompt(HEAD_A, [0], TAIL[:4]), gemma3.prompt([7], [1, 0], [9]), gemma3.prompt(HEAD_B, [], [4])]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    base = dict(input_ids=ids, attention_mask=mask, **gemma3.data([0, 1, 0]), max_new_tokens=NEW, do_sample=False,
+                pad_token_id=0, return_dict_in_generate=True)
+    typed = {**base, "token_type_ids": (ids == IMAGE_TOKEN).long()}
+    want = stock.generate(**typed)
+    ours.hf_paged_last_metrics = None
+    got = ours.generate(**typed)
+    assert torch.equal(got.sequences, want.sequences) and ours.hf_paged_last_metrics["num_steps"] > 0
+    assert isinstance(getattr(got, CACHE_KEY), ReturnedCache)
+    more = {"input_ids": torch.cat([want.sequences, torch.full((3, 2), 7)], 1), "max_new_tokens": NEW,
+            "attention_mask": torch.cat([mask, torch.ones(3, NEW + 2, dtype=torch.long)], 1), "do_sample": False,
+            "pad_token_id": 0}
+    assert torch.equal(ours.generate(**more, **{CACHE_KEY: getattr(got, CACHE_KEY)}),  # dense, bidirectional images
+                       stock.generate(**more, **{CACHE_KEY: getattr(want, CACHE_KEY)}))
+    # Without token types stock attends causally over the images: stock serves the call, so equal again.
+    ours.hf_paged_last_metrics = None
+    assert torch.equal(ours.generate(**base).sequences, stock.generate(**base).sequences)
+    assert ours.hf_paged_last_metrics is None

@@ -327,8 +327,6 @@ def run_family(model_type: str, mapping: str) -> Outcome:
 # defect of hf_paged, listed in the README as such. The test fails when one changes, either way, so
 # a fix (or a new failure) is noticed.
 KNOWN = {
-    ("doge", "causal"): ("crash", "its attention computes a dynamic mask from the values PagedCache.update "
-                                  "returned, which in a paged step are the raw blocks"),
     ("kosmos-2.5", "image-text-to-text"): ("different", "the engine's positions are 0-based; Kosmos-2.5 offsets "
                                                         "its positions past the padding index"),
     ("video_llama_3", "image-text-to-text"): ("different", "left-padded rows: its generate does not derive "

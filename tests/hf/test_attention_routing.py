@@ -9,9 +9,12 @@ one clear ValueError, as early as possible, instead of crashing deep inside or a
 * at the first paged forward: Nemotron declares the attention interface, but its decoder layer drops
   the keyword arguments, so attention got raw K/V blocks without the step's metadata ("Number of heads
   in key and value must divide"). Now that is one clear ValueError, and the engine ends the request
-  with it instead of retrying without end. DiffLlama passes the metadata, but splits the values the
-  cache returned before attention, which the paged kernels (reading the blocks) ignored: its greedy
-  tokens differed from stock's from the first one. Now it is refused the same way.
+  with it instead of retrying without end;
+* at load again, read off the attention's source: DiffLlama, Doge and JetMoe compute with the K/V the
+  cache returned before (or beside) the attention function (DiffLlama split the values, which the paged
+  kernels reading the blocks ignored: its greedy tokens differed from stock's from the first one; Doge
+  crashed building its mask from the blocks). A paged forward still refuses an attention the source
+  check misses, when it gets other K/V than the step's blocks.
 Encoder-decoders (T5, BART) keep their identical dense fallback: they are not refused."""
 
 from __future__ import annotations
@@ -174,11 +177,45 @@ def test_the_encoder_decoder_fallback_warns_once_per_model():
     assert counts == [1, 0, 1, 0]
 
 
-def test_diffllama_which_transforms_the_cached_values_is_refused_at_its_first_paged_forward():
+@pytest.mark.parametrize("model_type, attention", [("diffllama", "DiffLlamaAttention"), ("doge", "DogeAttention"),
+                                                   ("jetmoe", "JetMoeAttention")])
+def test_an_attention_that_computes_with_the_cached_kv_is_refused_at_load(model_type, attention):
+    """DiffLlama splits the values the cache returned, Doge builds its mask from them, JetMoe reshapes
+    them: a paged cache returns blocks, so each is refused when loaded (read off its attention's source),
+    and loads with sdpa."""
+    config = _config(model_type, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                     intermediate_size=64, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=f"its {attention} computes with the K/V its cache returns"):
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
+    AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+
+
+def test_mla_and_plain_attention_are_not_refused_for_reading_their_cache():
+    """DeepSeek's latent attention expands its cached latents on purpose (the dense path serves it);
+    Llama hands its K/V straight to the attention function."""
+    from hf_paged.hf.support import cached_kv_refusal
+    from transformers import DeepseekV3ForCausalLM, LlamaForCausalLM
+
+    assert cached_kv_refusal(DeepseekV3ForCausalLM, _config("deepseek_v3")) is None
+    assert cached_kv_refusal(LlamaForCausalLM, _config("llama")) is None
+
+
+def test_an_attention_the_source_check_misses_is_refused_at_its_first_paged_forward(monkeypatch):
+    """The backstop behind the source check: with it blind (its answer patched away, as for an attention
+    whose source cannot be read), DiffLlama loads and the engine builds, and its first paged forward
+    refuses it, since its attention gets other K/V than the blocks the step handed out; the engine
+    ends the requests at once, without retries."""
+    from hf_paged.hf import support
+
+    monkeypatch.setattr(support, "cached_kv_refusal", lambda *args: None)
     config = _config("diffllama", hidden_size=32, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
                      intermediate_size=64, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged").eval()
+    hf_paged.integrations.uninstall()
+    try:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged").eval()
+    finally:
+        hf_paged.integrations.install()
     stock = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
     stock.load_state_dict(model.state_dict())
     with torch.no_grad():  # the dense path (no cache) is exactly sdpa's

@@ -20,7 +20,7 @@ MUST = {
                   "granite", "starcoder2", "gemma", "phi", "gpt2", "gpt_neox", "gptj", "smollm3", "opt",
                   "deepseek_v3", "moshi", "llava", "qwen2_vl", "qwen2_5_vl", "smolvlm", "paligemma", "gemma3"],
     "refused": ["mpt", "bloom", "xglm", "gpt_neox_japanese", "stablelm", "mllama", "falcon", "git",
-                "diffllama", "unlimited_ocr"],
+                "diffllama", "unlimited_ocr", "doge", "jetmoe"],
 }
 
 
