@@ -156,7 +156,13 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
         passed, rows, params = call.passed, call.rows, call.params
         prefixes = passed.continuation_prefixes(engine, call.input_ids, call.attention_mask, rows) if passed else None
         try:
-            prompts = call.prompts(engine)
+            try:
+                prompts = call.prompts(engine)
+            except ValueError as exc:  # images the engine cannot split per image: stock serves (or raises its own)
+                logger.debug("hf_paged: stock generate serves this call (images: %s)", exc)
+                if passed is not None:
+                    passed.release_rows()
+                return None
             if call.is_stepwise:
                 samples, request_ids = _run_stepwise(engine, prompts, params, call.input_ids, call.pad, call.streamer,
                                                      call.criteria, prefixes, call.retain)
