@@ -44,6 +44,7 @@ import copy
 import dataclasses
 import logging
 import threading
+import weakref
 import warnings
 
 import torch
@@ -186,6 +187,29 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
     return build_output(call, engine, samples, request_ids, metrics)
 
 
+_SELF_POSITIONED: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+def _positions_itself(model) -> bool:
+    """Whether the model's own `prepare_inputs_for_generation` drops the position ids stock `generate`
+    made from the attention mask, so that its layers position the tokens themselves (Kosmos-2.5 counts
+    from past its padding index): the engine's 0-based positions would differ from stock's. Asked once
+    per class, by calling that method on three ids (no forward)."""
+    cls = type(model)
+    if cls not in _SELF_POSITIONED:
+        from transformers import DynamicCache
+
+        ids, positions = torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]])
+        try:
+            inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), position_ids=positions,
+                                                         cache=DynamicCache(config=model.config), use_cache=True,
+                                                         is_first_iteration=True)
+            _SELF_POSITIONED[cls] = inputs.get("position_ids") is None
+        except Exception:  # noqa: BLE001 - a model that cannot answer this keeps the engine
+            _SELF_POSITIONED[cls] = False
+    return _SELF_POSITIONED[cls]
+
+
 def _synced_by_default(model) -> bool:
     """Stock generate's own default for `synced_gpus=None`: ZeRO-3 or FSDP, more than one process."""
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -212,6 +236,8 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         return None
     if has_latent_kv(model.config):
         return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
+    if _positions_itself(model):
+        return None  # the engine's positions are not the ones this model's generate uses
     passed = passed_cache(kwargs)
     image_data = image_data_of(model, kwargs)
     image_side = image_side_inputs(model, kwargs, input_ids=inputs if inputs is not None else kwargs.get("input_ids"),

@@ -605,6 +605,10 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
         if tokenizer is None:
             parser.error(f"{args.model} has no tokenizer")
         processor = source.processor()  # images in chat messages, for a vision-language model
+        if processor is not None:
+            from ..integrations.optional import require
+
+            require("PIL", what="serving a vision-language model's images")  # at start, not per request
         model = model.eval()
         text_config = model.config.get_text_config(decoder=True)
         limit = args.max_model_len or min(getattr(text_config, "max_position_embeddings", 2048) or 2048, 8192)

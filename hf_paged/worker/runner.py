@@ -186,7 +186,10 @@ class ModelRunner:
         with torch.inference_mode(), fast_linear():
             out = self.model(**inputs, position_ids=pos, use_cache=True, paged_metadata=meta,
                              logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
-        return out.logits[0]
+        logits = out.logits[0]
+        if logits.shape[0] != keep_index.shape[0]:  # a model that ignores logits_to_keep (VideoLLaMA 3): every row
+            logits = logits.index_select(0, keep_index)
+        return logits
 
     @staticmethod
     def _key_limits(chunks: list[Chunk]) -> list[int] | None:
