@@ -42,8 +42,6 @@ class ImageQueue:
 
     def place(self) -> None:
         """Place every pending request's images (their sequences are hashed with the digests from here on)."""
-        if not self._pending:
-            return
         pending, self._pending = [t for t in self._pending if t.finish_reason is None], []
         if not pending:
             return

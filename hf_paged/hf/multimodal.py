@@ -154,11 +154,14 @@ class ImageSupport:
 
     def split(self, data: dict) -> list[ImageItem]:
         """One request's image inputs (a processor's output for one prompt: `pixel_values` of
-        [num_images, ...] and per-image tensors beside it) as one `ImageItem` per image.
+        [num_images, ...] and per-image tensors beside it) as one `ImageItem` per image; a list of
+        `ImageItem`s is returned as it is.
 
         Raises:
             ValueError/TypeError: naming the input that is missing, unknown or mis-shaped."""
         self.check()
+        if isinstance(data, list) and data and all(isinstance(item, ImageItem) for item in data):
+            return list(data)  # split (and digested) already: drop-in `generate` splits a batch's images per row
         if not isinstance(data, dict):
             raise TypeError(f"multi_modal_data must be a dict of tensors, got {type(data).__name__}")
         unknown = sorted(set(data) - set(self.input_names))
@@ -199,7 +202,7 @@ class ImageSupport:
             items.append(ImageItem(_digest(inputs), inputs))
         return items
 
-    def count_placeholders(self, token_ids: list[int]) -> list[int]:
+    def placeholder_positions(self, token_ids: list[int]) -> list[int]:
         """Positions of the image placeholders among `token_ids`."""
         return [i for i, t in enumerate(token_ids) if t == self.token_id]
 
@@ -313,7 +316,7 @@ def place(support: ImageSupport, token_ids: list[int], items: list[ImageItem],
 
     Raises:
         ValueError: the placeholders and the images' features do not match in number."""
-    positions = support.count_placeholders(token_ids)
+    positions = support.placeholder_positions(token_ids)
     counts = [f.shape[0] for f in features]
     if sum(counts) != len(positions):
         raise ValueError(f"the prompt has {len(positions)} image placeholder tokens (id {support.token_id}) but its "

@@ -96,7 +96,8 @@ class EngineCall:
     passed: ReturnedCache | None
     paddings: list[set[int]]  # each row's padding ids (`_paddings`)
     image_data: dict | None = None  # the call's image inputs (`pixel_values` of every row's images, ...)
-    row_images: list = dataclasses.field(default_factory=list)  # per row, its share of them (None: text only)
+    image_support: ImageSupport | None = None  # the model's, with `image_data`
+    row_images: list = dataclasses.field(default_factory=list)  # per row, its `ImageItem`s (None: text only)
 
     def prompts(self, engine: Engine) -> list:
         """What the engine is given per row: its tokens, or with the call's images, the vLLM-style dict
@@ -104,7 +105,7 @@ class EngineCall:
         images per row: by each image's placeholder count, which the engine's encoder gives)."""
         if self.image_data is None:
             return self.rows
-        prompts, self.row_images = row_prompts(self.model, engine, self.rows, self.image_data)
+        prompts, self.row_images = row_prompts(self.image_support, engine, self.rows, self.image_data)
         return prompts
 
     @property
@@ -239,9 +240,8 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if _positions_itself(model):
         return None  # the engine's positions are not the ones this model's generate uses
     passed = passed_cache(kwargs)
-    image_data = image_data_of(model, kwargs)
-    image_side = image_side_inputs(model, kwargs, input_ids=inputs if inputs is not None else kwargs.get("input_ids"),
-                                    image_data=image_data)
+    image_data, image_support = image_data_of(model, kwargs)
+    image_side = image_side_inputs(image_support, kwargs, inputs if inputs is not None else kwargs.get("input_ids"))
     if image_side is None:
         return None
     unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - set(image_data or ()) - image_side - {
@@ -333,14 +333,15 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         logger.debug("hf_paged: stock generate serves this call (streamer/criteria with n=%d, scores or n-grams)",
                      params.n)
         return None
-    if "mm_token_type_ids" in image_side and gc.use_cache is not False and (gc.return_dict_in_generate
-                                                                            or passed is not None):
+    call = EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
+                      rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
+                      streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data,
+                      image_support=image_support)
+    if "mm_token_type_ids" in image_side and call.retain:
         # A returned cache turns dense with 1-D positions (`ReturnedCache.to_dense`): not Qwen-VL's 3-D ones.
         logger.debug("hf_paged: stock generate serves this call (a returned cache of M-RoPE images)")
         return None
-    return EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
-                      rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
-                      streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data)
+    return call
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):
@@ -377,7 +378,7 @@ def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: l
             cache = passed
         else:
             images = expanded_images(call.row_images, n)
-            if images is not None and ImageSupport(model).is_bidirectional:  # stock's token types, for to_dense
+            if images is not None and call.image_support.is_bidirectional:  # stock's token types, for to_dense
                 images["token_type_ids"] = (sequences[:, :-1] == engine.image_token_id).long()
             cache = ReturnedCache(model, engine, sequences[:, :-1], mask, kept, images)
     if not gc.return_dict_in_generate:

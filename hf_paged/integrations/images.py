@@ -14,13 +14,13 @@ from ..hf.multimodal import ImageSupport, merge_items
 logger = logging.getLogger("hf_paged.integrations.batch_generate")
 
 
-def row_prompts(model, engine, rows: list[list[int]], image_data: dict) -> tuple[list, list]:
+def row_prompts(support: ImageSupport, engine, rows: list[list[int]], image_data: dict) -> tuple[list, list]:
     """Per row, what the engine is given (its tokens, or the vLLM-style dict whose `multi_modal_data`
-    holds that row's images) and that row's image inputs (None: text only).
+    holds that row's images, split and digested once here) and that row's `ImageItem`s (None: text only).
 
     Raises:
         ValueError: the rows' placeholders and the images' feature rows do not match (stock's message)."""
-    items = ImageSupport(model).split(image_data)
+    items = support.split(image_data)
     counts = engine.image_token_counts(items)
     token_id = engine.image_token_id
     prompts, row_images, at = [], [], 0
@@ -32,22 +32,21 @@ def row_prompts(model, engine, rows: list[list[int]], image_data: dict) -> tuple
         if need:
             raise ValueError(f"Image features and image tokens do not match: a row has {row.count(token_id)} "
                              f"image tokens, its images give {row.count(token_id) - need} features")
-        data = merge_items(items[first:at]) if at > first else None
-        prompts.append({"prompt_token_ids": row, "multi_modal_data": data} if data else row)
-        row_images.append(data)
+        mine = items[first:at] or None
+        prompts.append({"prompt_token_ids": row, "multi_modal_data": mine} if mine else row)
+        row_images.append(mine)
     if at != len(counts):
         raise ValueError(f"Image features and image tokens do not match: {len(counts)} images for "
                          f"{at} images' placeholders")
     return prompts, row_images
 
 
-def image_side_inputs(model, kwargs: dict, input_ids, image_data: dict | None) -> set[str] | None:
+def image_side_inputs(support: ImageSupport | None, kwargs: dict, input_ids) -> set[str] | None:
     """The keywords beside the images that the engine derives itself from the ids: Qwen-VL's modality
     types (`mm_token_type_ids`), Gemma 3's token types (`token_type_ids`, which turn its images'
     attention bidirectional in stock, and only when given). None: stock must serve the call."""
-    if image_data is None:
+    if support is None:
         return set()
-    support = ImageSupport(model)
     if support.rope_index is not None:
         return {"mm_token_type_ids"}
     if support.is_bidirectional:
@@ -63,23 +62,24 @@ def image_side_inputs(model, kwargs: dict, input_ids, image_data: dict | None) -
 
 def expanded_images(row_images: list, n: int) -> dict | None:
     """The image inputs of stock's expanded batch (each row's n samples, each with the row's images)."""
-    parts = [data for data in row_images if data for _ in range(n)]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else None
+    items = [item for mine in row_images if mine for _ in range(n) for item in mine]
+    return merge_items(items) if items else None
 
 
-def image_data_of(model, kwargs: dict) -> dict | None:
-    """The call's image inputs, when the engine can place this model's images (`hf.multimodal`); None
-    without images, or when only stock can serve them (the names then stay unknown keywords)."""
+def image_data_of(model, kwargs: dict) -> tuple[dict, ImageSupport] | tuple[None, None]:
+    """The call's image inputs and the model's `ImageSupport`, when the engine can place its images
+    (`hf.multimodal`); (None, None) without images, or when only stock can serve them (the names then
+    stay unknown keywords)."""
     if kwargs.get("pixel_values") is None:
-        return None
+        return None, None
     support = ImageSupport(model)
     if not support.is_supported:
         logger.debug("hf_paged: stock generate serves this call (images: %s)", support.reason)
-        return None
+        return None, None
     data = {k: v for k, v in kwargs.items() if k in support.input_names and v is not None}
     grid = data.get("image_grid_thw")  # patches of all images in one tensor, beside each image's grid
     num = grid.shape[0] if torch.is_tensor(grid) and grid.dim() == 2 else data["pixel_values"].shape[0]
     if not all(torch.is_tensor(v) and v.dim() > 0 and (v.shape[0] == num or k == "pixel_values")
                for k, v in data.items()):
-        return None  # not one entry per image: stock's own checks and errors
-    return data
+        return None, None  # not one entry per image: stock's own checks and errors
+    return data, support

@@ -78,6 +78,21 @@ class _Family:
                  "gemma3": {"token_type_ids": (ids == IMAGE_TOKEN).long()}}.get(self.name, {})
         return {**self.data(idx), **extra}
 
+    def check_against_stock(self, stock, engine: Engine, requests: list) -> list:
+        """Run `requests` ((ids, image indices) pairs) in `engine`; each one's greedy tokens must equal
+        stock's and its first-step logits be within 1e-5 (fp32: about 1e-6 apart; a causal mask over
+        Gemma 3's images is ~1e-1 off in this tiny model). Returns the outputs."""
+        prompts = [{"prompt_token_ids": ids, "multi_modal_data": self.data(idx)} if idx else ids
+                   for ids, idx in requests]
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, output_logits=True))
+        for (ids, idx), out in zip(requests, outputs):
+            t = torch.tensor([ids])
+            want = stock.generate(input_ids=t, **self.stock_kwargs(t, idx), max_new_tokens=NEW, min_new_tokens=NEW,
+                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
+            assert out.outputs[0].token_ids == want.sequences[0, len(ids):].tolist()
+            torch.testing.assert_close(out.outputs[0].logits[0], want.logits[0][0], atol=1e-5, rtol=1e-5)
+        return outputs
+
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl", "gemma3"])
 def test_sixteen_requests_mixing_four_images_and_text_match_stock(family):
@@ -91,16 +106,8 @@ def test_sixteen_requests_mixing_four_images_and_text_match_stock(family):
                  (fam.prompt(HEAD_A, [], TAIL), [])]
     requests.append((fam.prompt(HEAD_B, [2, 3], TAIL), [2, 3]))  # two images in one prompt, in order
     assert len(requests) == 16
-    prompts = [{"prompt_token_ids": ids, "multi_modal_data": fam.data(idx)} if idx else ids for ids, idx in requests]
     engine = Engine(ours, max_num_seqs=4, num_blocks=64)  # four at a time: later ones find earlier blocks
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True, output_logits=True))
-    for (ids, idx), out in zip(requests, outputs):
-        t = torch.tensor([ids])
-        want = stock.generate(input_ids=t, **fam.stock_kwargs(t, idx), max_new_tokens=NEW, min_new_tokens=NEW,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True)
-        assert out.outputs[0].token_ids == want.sequences[0, len(ids):].tolist()
-        # fp32: about 1e-6 apart; a causal mask over Gemma 3's images is ~1e-4 off in this tiny model.
-        torch.testing.assert_close(out.outputs[0].logits[0], want.logits[0][0], atol=1e-5, rtol=1e-5)
+    outputs = fam.check_against_stock(stock, engine, requests)
     # Images A and B behind the same placeholders must give different answers.
     a, b = outputs[0].outputs[0].logits[0], outputs[3].outputs[0].logits[0]
     assert (a - b).abs().max() > 1e-3
@@ -333,16 +340,7 @@ def test_gemma3_images_stay_whole_in_small_chunks_and_attend_both_ways(gemma3):
                 (gemma3.prompt(HEAD_B, [], TAIL), [])]
     # 20-token chunks: an image (16 placeholders between its markers) never fits after the text before it,
     # so every chunk that reaches one is cut at its start.
-    engine = Engine(ours, max_num_seqs=2, max_num_batched_tokens=20, num_blocks=32)
-    outs = engine.generate([{"prompt_token_ids": ids, "multi_modal_data": gemma3.data(idx)} if idx else ids
-                            for ids, idx in requests], SamplingParams(max_new_tokens=NEW, ignore_eos=True,
-                                                                      output_logits=True))
-    for (ids, idx), out in zip(requests, outs):
-        t = torch.tensor([ids])
-        want = stock.generate(input_ids=t, **gemma3.stock_kwargs(t, idx), max_new_tokens=NEW, min_new_tokens=NEW,
-                              do_sample=False, output_logits=True, return_dict_in_generate=True)
-        assert out.outputs[0].token_ids == want.sequences[0, len(ids):].tolist()
-        torch.testing.assert_close(out.outputs[0].logits[0], want.logits[0][0], atol=1e-5, rtol=1e-5)
+    gemma3.check_against_stock(stock, Engine(ours, max_num_seqs=2, max_num_batched_tokens=20, num_blocks=32), requests)
     too_small = Engine(ours, max_num_batched_tokens=12, num_blocks=32)
     out = too_small.generate([{"prompt_token_ids": requests[0][0], "multi_modal_data": gemma3.data([0])}],
                              SamplingParams(max_new_tokens=2))[0]
