@@ -126,7 +126,8 @@ class StepMetadata:
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """[num_tokens, heads, dim] -> [batch, q_len, heads, dim]; padding rows are zero."""
         if self.token_index is None:
-            return packed.reshape(self.batch_size, self.q_len, *packed.shape[1:])  # a view when it can be
+            # A view when it can be; contiguous as every attention function's output is (a model may `view` it).
+            return packed.reshape(self.batch_size, self.q_len, *packed.shape[1:]).contiguous()
         out = packed.new_zeros(self.batch_size * self.q_len, *packed.shape[1:])
         out[self.token_index] = packed
         return out.view(self.batch_size, self.q_len, *packed.shape[1:])

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ..attention import dispatch
-from ..attention.interface import note_paged_step, note_paged_write
+from ..attention.interface import UnsupportedModelError, note_paged_step, note_paged_write
 from ..attention.kv_quant import KVQuant
 from ..attention.metadata import PAGED, StepMetadata, host_to_device
 from ..attention.torch_paged import Workspace
@@ -197,6 +197,12 @@ class KVOwner:
         if len(step.layers_done) == len(self.layers):
             note_paged_step(None)  # masks built after this forward are for someone else
         layer = self.layers[layer_idx]
+        if not layer.belongs_to(self):
+            raise UnsupportedModelError(
+                f"hf_paged: the model wrote K/V to cache layer {layer_idx}, a copy it made of one of the paged "
+                "cache's layers (a layer run several times with K/V kept per pass, as Dory's "
+                "recurrent block keeps them): the paged pool holds one set of blocks per layer of the config, so "
+                "attn_implementation='hf_paged' cannot serve it; load it with attn_implementation='sdpa' or 'eager'")
         step.active_layer = layer_idx
         if not layer.is_initialized:
             if step.mode == PAGED and self.kv_dtype is not None:  # an engine step: first sight of the dtype

@@ -32,6 +32,10 @@ class PagedLayer(CacheLayerMixin):
         self.scales: KVScales | None = None
         self.quant: KVQuant | None = None  # set before initialisation (a checkpoint's static scales)
 
+    def belongs_to(self, kv) -> bool:
+        """Whether this layer is one of `kv`'s (a model's own copy of a cache layer carries a copied owner)."""
+        return self._kv is kv
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         kv = self._kv
         num_blocks, block_size = kv.pool.num_blocks, kv.block_size

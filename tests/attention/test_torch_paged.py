@@ -766,3 +766,17 @@ def test_step_metadata_knows_on_the_host_whether_any_slot_is_skipped():
     torch_paged.store_kv(rows, -rows, key_cache, value_cache, torch.tensor([0, 5, 7]), has_skipped_slots=False)
     assert torch.equal(key_cache.view(-1, 1, 2)[[0, 5, 7]], rows)
     assert torch.equal(value_cache.view(-1, 1, 2)[[0, 5, 7]], -rows)
+
+
+def test_unpacked_attention_output_is_contiguous_as_stock_attention_returns_it():
+    """A model may `view` the attention's output (Dory does): the single-sequence path's result, a view
+    over heads-first workspace rows, reaches the model contiguous."""
+    from hf_paged.attention.metadata import build_packed_metadata
+
+    meta = build_packed_metadata(q_lens=[5], slots=[[0, 1, 2, 3, 4]], block_tables=[[0]], seq_lens=[5], copies=[],
+                                 device=torch.device("cpu"))
+    heads_first = torch.randn(4, 5, 8)  # [heads, tokens, dim]
+    out = meta.unpack(heads_first.transpose(0, 1))  # [tokens, heads, dim], not contiguous
+    assert out.shape == (1, 5, 4, 8) and out.is_contiguous()
+    assert torch.equal(out[0], heads_first.transpose(0, 1))
+    assert out.view(1, 5, -1).shape == (1, 5, 32)

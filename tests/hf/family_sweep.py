@@ -19,7 +19,8 @@ Each family ends in one class (`Outcome.kind`):
 - refused      hf_paged raised a ValueError that names hf_paged (at load, at the first forward or
                generate), so the user is told what is unsupported and what to use instead;
 - fallback     identical, with a warning that the call took a dense path (encoder-decoders);
-- untested     stock itself fails on the tiny config (the reason is kept): nothing to compare;
+- untested     stock itself cannot run the family as the sweep would (the reason is kept, and each such
+               family's reason is written down in `family_configs.NOT_COVERED`): nothing to compare;
 - different    tokens or logits differ from stock's (a defect);
 - crash        hf_paged failed with anything but a clear refusal (a defect).
 
@@ -38,6 +39,8 @@ import time
 import warnings
 
 import torch
+
+from family_configs import FAMILY_CONFIG, FAMILY_INPUTS, FAMILY_OWN_PAD, FAMILY_SETUP, FAMILY_TEXT_KEYS, NOT_COVERED
 
 VOCAB_MAX_ID = 400  # prompt ids are drawn below this and below the vocabulary
 NEW_TOKENS = 5
@@ -77,22 +80,28 @@ def _shrunk_value(key, default):
     return min(default, _SIZES[key])
 
 
-def tiny_config(config_class, base=None):
+def tiny_config(config_class, base=None, overrides: dict | None = None):
     """`config_class`'s defaults (or `base`'s values) with every size field made tiny, sub-configs
     (text, vision, audio, ...) too, and per-layer lists cut to the new depth, keeping one layer of
-    each kind the default has (a gemma-3 pattern keeps a sliding and a full layer)."""
+    each kind the default has (a gemma-3 pattern keeps a sliding and a full layer); then `overrides`
+    (a `FAMILY_CONFIG` entry) set."""
+    overrides = overrides or {}
     base = config_class() if base is None else base
     values = base.to_dict()
     depth = next((values[k] for k in _DEPTH_KEYS if isinstance(values.get(k), int) and values[k] > 0), None)
     keep = _kept_layers(values.get("layer_types"), depth)
-    kwargs = {}
+    # A field stored under the family's own name (`moe_k` for `num_experts_per_tok`) shrinks as its alias does.
+    aliases = {target: alias for alias, target in getattr(config_class, "attribute_map", {}).items()
+               if alias in _SIZES and target not in _SIZES}
+    kwargs, nested = {}, set()
     for key, default in values.items():
         try:
             sub = getattr(base, key, None)
         except Exception:  # noqa: BLE001 - a per-layer attribute (Gemma 4's head_dim) refuses global reads
             sub = None
         if hasattr(sub, "to_dict") and hasattr(type(sub), "model_type"):
-            kwargs[key] = tiny_config(type(sub), sub).to_dict()
+            kwargs[key] = tiny_config(type(sub), sub, overrides.get(key)).to_dict()
+            nested.add(key)  # its overrides are set inside, at every depth
             continue
         if isinstance(default, dict) and default and depth and all(
                 str(k).isdigit() and int(k) < depth for k in default):
@@ -105,7 +114,7 @@ def tiny_config(config_class, base=None):
                 kept = [min(v, _SIZES[key]) for v in kept]
             kwargs[key] = kept
             continue
-        small = _shrunk_value(key, default)
+        small = _shrunk_value(aliases.get(key, key), default)
         if small is not None:
             kwargs[key] = small
     for key in _DEPTH_KEYS:
@@ -124,6 +133,15 @@ def tiny_config(config_class, base=None):
         # masks never slide, though a DynamicCache would keep only a shrunk window).
         kwargs["sliding_window"] = 8
     kwargs.update(_shrunk_rope(config_class, values, kwargs))
+    for key, value in overrides.items():
+        if key in nested:
+            continue
+        if isinstance(kwargs.get(key), dict) and isinstance(value, dict):
+            kwargs[key] = {**kwargs[key], **value}  # a sub-config built above, or a plain dict field
+        elif isinstance(value, dict) and isinstance(values.get(key), dict):
+            kwargs[key] = {**values[key], **value}
+        else:
+            kwargs[key] = value
     merged = {**values, **kwargs}
     merged.pop("model_type", None)
     merged.pop("transformers_version", None)
@@ -135,6 +153,21 @@ def tiny_config(config_class, base=None):
     if placeholder is not None and text is not config and isinstance(getattr(text, "vocab_size", None), int) \
             and placeholder >= text.vocab_size:
         text.vocab_size = placeholder + 64
+    return config
+
+
+def family_config(model_type: str, model_class=None):
+    """The tiny config the sweep runs `model_type` with. A causal-LM class whose config is the text part of
+    its family's composite config (Emu3, Llama 4, Qwen 3.5) gets that part, as loading such a checkpoint
+    for text does."""
+    from transformers import AutoConfig
+
+    config = tiny_config(type(AutoConfig.for_model(model_type)), overrides=FAMILY_CONFIG.get(model_type))
+    wanted = getattr(model_class, "config_class", None)
+    if wanted is not None and not isinstance(config, wanted):
+        text = config.get_text_config(decoder=True)
+        if isinstance(text, wanted):
+            return text
     return config
 
 
@@ -153,7 +186,9 @@ def _shrunk_rope(config_class, values: dict, kwargs: dict) -> dict:
     out = {}
     for key in ("rope_parameters", "rope_scaling"):
         rope = values.get(key)
-        if isinstance(rope, dict) and "mrope_section" not in rope \
+        if not isinstance(rope, dict) or not rope or any(isinstance(v, dict) for v in rope.values()):
+            continue  # none, or one per layer type: nothing multimodal to scale
+        if "mrope_section" not in rope \
                 and "mrope_section" in getattr(config_class, "ignore_keys_at_rope_validation", ()):
             rope = {**rope, "mrope_section": [16, 24, 24]}  # the section the rotary class defaults to
         if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
@@ -222,10 +257,18 @@ def _stock_attn(model_class) -> str:
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
-def _build(model_class, config, attn: str, dtype=torch.float32):
+def _build(model_class, config, attn: str, dtype=torch.float32, setup=None):
     """A model of its own config copy: `_from_config` keeps the object, and the attention choice with it."""
     torch.manual_seed(0)
-    return model_class._from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype).eval()
+    model = model_class._from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype).eval()
+    if setup is not None:
+        setup(model)
+    return model
+
+
+def _sequences(out):
+    """Generated ids, whether `generate` returned them or an output holding them (a diffusion model's)."""
+    return getattr(out, "sequences", out)
 
 
 def _is_refusal(exc: BaseException) -> bool:
@@ -235,7 +278,6 @@ def _is_refusal(exc: BaseException) -> bool:
 def run_family(model_type: str, mapping: str) -> Outcome:
     """Build, run and classify one family (see the module docstring)."""
     import hf_paged  # noqa: F401 - registers "hf_paged" and installs the drop-in patches
-    from transformers import AutoConfig
     from transformers.models.auto import modeling_auto
 
     names = (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if mapping == "causal"
@@ -251,19 +293,30 @@ def run_family(model_type: str, mapping: str) -> Outcome:
         import transformers
 
         model_class = getattr(transformers, class_name)
-        config = tiny_config(type(AutoConfig.for_model(model_type)))
-        stock = _build(model_class, config, _stock_attn(model_class))
+        config = family_config(model_type, model_class)
+        try:
+            stock = _build(model_class, config, _stock_attn(model_class), setup=FAMILY_SETUP.get(model_type))
+        except ValueError as exc:  # a sub-model without sdpa (Apertus 1.5's image tokenizer): transformers' own pick
+            if "scaled_dot_product_attention" not in str(exc):
+                raise
+            stock = _build(model_class, config, None, setup=FAMILY_SETUP.get(model_type))
         if not stock.can_generate():
             return done("untested", "the class does not generate")
         vocab = _vocab_of(config)
         pad = getattr(config.get_text_config(decoder=True), "pad_token_id", None) or 0
-        rows = prompts_for(config, vocab)
+        rows, extra = prompts_for(config, vocab), {}
+        if model_type in FAMILY_INPUTS:
+            rows, extra = FAMILY_INPUTS[model_type](config, rows)
         ids, mask = _left_pad(rows, pad)
+        id_key, mask_key = FAMILY_TEXT_KEYS.get(model_type, ("input_ids", "attention_mask"))
+        text = {id_key: ids, mask_key: mask}
         gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
+        if model_type in FAMILY_OWN_PAD:
+            del gen["pad_token_id"]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            want = stock.generate(input_ids=ids, attention_mask=mask, **gen)
-            want_logits = stock(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            want = _sequences(stock.generate(**text, **extra, **gen))
+            want_logits = stock(**text, use_cache=False, **extra).logits
     except Exception as exc:  # noqa: BLE001 - classified, with its reason
         return done("untested", f"stock fails on the tiny config: {type(exc).__name__}: {str(exc)[:160]}")
 
@@ -272,12 +325,12 @@ def run_family(model_type: str, mapping: str) -> Outcome:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            paged = _build(model_class, config, "hf_paged")
+            paged = _build(model_class, config, "hf_paged", setup=FAMILY_SETUP.get(model_type))
             paged.load_state_dict(stock.state_dict())
             with torch.no_grad():
-                got = paged.generate(input_ids=ids, attention_mask=mask, **gen)
+                got = _sequences(paged.generate(**text, **extra, **gen))
                 checks.append("generate")
-                got_logits = paged(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                got_logits = paged(**text, use_cache=False, **extra).logits
                 checks.append("forward")
     except Exception as exc:  # noqa: BLE001
         if _is_refusal(exc):
@@ -294,7 +347,9 @@ def run_family(model_type: str, mapping: str) -> Outcome:
     worst = (got_logits[live] - want_logits[live]).abs().max().item()
     if not math.isfinite(worst) or worst > LOGITS_ATOL:
         return done("different", f"forward: max |logit diff| {worst:.2e} > {LOGITS_ATOL}", checks)
-    if mapping != "causal":
+    if model_type in FAMILY_INPUTS and any(k in extra for k in ("pixel_values", "flattened_patches")):
+        checks.append("images")  # every check above ran with one image per row (A, B, C, A)
+    elif mapping != "causal":
         try:  # stock runs the image rows first: a failure there is the builder's or stock's, not ours
             image_ids, image_mask, images = image_inputs(stock, config, rows)
             with torch.no_grad(), warnings.catch_warnings():
@@ -337,7 +392,7 @@ _KIND_TITLES = [
     ("fallback", "Identical, through a dense fallback that warns once per model"),
     ("crash", "Known to fail (open)"),
     ("different", "Known to differ from stock (open: load these with `sdpa`)"),
-    ("untested", "Not covered: stock itself fails on the sweep's generic tiny config"),
+    ("untested", "Not covered: stock cannot run them as the sweep would"),
 ]
 
 
@@ -358,6 +413,10 @@ def readme_block(outcomes: list[Outcome]) -> str:
             if o.mapping == "causal":
                 return o.model_type
             return o.model_type + (" (VLM, with images)" if "images" in o.checks else " (VLM)")
+        if kind == "untested":
+            lines.append(f"- **{title}** ({len(chosen)}):")
+            lines += [f"  - {name(o)}: {NOT_COVERED.get(o.model_type, o.detail)}" for o in chosen]
+            continue
         if kind in ("crash", "different", "fallback"):
             items = [f"{name(o)}: {KNOWN.get((o.model_type, o.mapping), (kind, o.detail))[1]}" for o in chosen]
             lines.append(f"- **{title}** ({len(chosen)}):")
