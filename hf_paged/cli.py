@@ -16,7 +16,9 @@ def main(argv: list[str] | None = None) -> int:
         from .serve.api_server import main as serve_main
 
         # serve and disagg never import each other: the server gets the disaggregated client here.
-        return serve_main(argv[1:], disaggregated=AsyncDisaggregatedEngine.launch)
+        from . import parallel
+
+        return serve_main(argv[1:], disaggregated=AsyncDisaggregatedEngine.launch, tensor_parallel=parallel)
     if argv[:1] == ["lm-eval"]:  # every later argument is lm-eval's own
         from .integrations.lm_eval_cli import main as lm_eval_main
 
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
     gen.add_argument("--device", default=None, help="where the model runs (default: cuda if present, else cpu)")
     gen.add_argument("--dtype", default="auto", help="auto (the checkpoint's), float32, bfloat16 or float16")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="a batch job over this many tensor-parallel ranks (processes it starts; with --dtype auto)")
     sub.add_parser("info", help="versions and the supported transformers range")
     sub.add_parser("serve", help="an OpenAI-compatible HTTP server (hf-paged serve MODEL_DIR|default --help)")
     sub.add_parser("lm-eval", help="lm-evaluation-harness's command line (same arguments) with the hf_paged "
@@ -90,8 +94,7 @@ def _batch_job(parser, args) -> int:
     if args.prompt is not None:
         parser.error("give either a prompt or --input, not both")
     from .engine import Engine
-    from .integrations.jobs import done_indices, read_rows, run_job
-    from .sampling_params import SamplingParams
+    from .integrations.jobs import done_indices
     from .worker.cpu_caches import bound_cpu_kernel_caches
 
     bound_cpu_kernel_caches()  # a long job: memory stays flat as step shapes vary
@@ -103,6 +106,13 @@ def _batch_job(parser, args) -> int:
 
     import torch
 
+    tp = args.tensor_parallel_size
+    if tp < 1:
+        parser.error(f"--tensor-parallel-size must be a positive integer, got {tp}")
+    if tp > 1:
+        if args.dtype != "auto" or args.device is not None:
+            parser.error("--tensor-parallel-size places the model itself: leave --dtype auto and --device unset")
+        return _tensor_parallel_job(args, tp)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype, None)
     if dtype is None:
@@ -118,9 +128,34 @@ def _batch_job(parser, args) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype=dtype,
                                                      local_files_only=True).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args).engine_kwargs(), show_progress=False)
+    return _run_batch_job(engine, tokenizer, args)
+
+
+def _tensor_parallel_job(args, tp: int) -> int:
+    """A batch job with the model split over `tp` ranks: this process (rank 0) runs the job, the ranks it
+    starts follow its steps until its engine shuts down."""
+    from .engine import Engine
+    from .model_source import ModelFromPath
+    from .parallel.launch import start_ranks, stop_ranks
+
+    engine_kwargs = EngineConfig.from_cli_args(args).engine_kwargs()
+    ranks = start_ranks(args.model, tp, engine_kwargs)
+    model, tokenizer = ModelFromPath(args.model, tp)()
+    engine = Engine(model.eval(), tokenizer, **engine_kwargs, show_progress=False)
+    try:
+        return _run_batch_job(engine, tokenizer, args)
+    finally:
+        engine.shutdown(drain=False)  # the other ranks stop following
+        stop_ranks(ranks)
+
+
+def _run_batch_job(engine, tokenizer, args) -> int:
+    from .integrations.jobs import read_rows, run_job
+    from .sampling_params import SamplingParams
+
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
-    engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args).engine_kwargs(), show_progress=False)
     try:
         counts = run_job(engine, tokenizer, read_rows(args.input), args.output, params, column=args.column,
                          chat=args.chat, progress=not args.no_progress)

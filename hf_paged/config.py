@@ -112,6 +112,9 @@ class PagedCacheConfig:
             full attention only). Default True.
         cache_salt: mixed into every block hash so that caches which must not share K/V (other
             adapters, tenants) never do.
+        tensor_parallel_size: the ranks a tensor-parallel model's KV heads are split over: this pool
+            holds one rank's share (num_key_value_heads / tensor_parallel_size heads per layer), and
+            every byte figure is per rank. Default 1.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -123,8 +126,12 @@ class PagedCacheConfig:
     enable_prefix_caching: bool = True
     enable_hybrid_kv: bool = True
     cache_salt: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         if self.num_blocks is not None and (

@@ -16,15 +16,24 @@ class ModelFromPath:
     `module:callable` (called with `attn_implementation="hf_paged"`, returning a model or
     `(model, tokenizer)`); "default" is the embedded SmolLM2-135M-Instruct."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, tensor_parallel_size: int = 1):
         self.path = DEFAULT_FACTORY if path == "default" else path
+        self.tensor_parallel_size = tensor_parallel_size  # > 1: loaded with transformers' tensor parallelism
+
+    def _load_kwargs(self) -> dict:
+        if self.tensor_parallel_size == 1:
+            return {}
+        from transformers.distributed import DistributedConfig
+
+        return {"distributed_config": DistributedConfig(tp_size=self.tensor_parallel_size)}
 
     def __call__(self, tokenizer_only: bool = False):
         if ":" in self.path and not os.path.isdir(self.path):
             import importlib
 
             module, _, name = self.path.partition(":")
-            built = getattr(importlib.import_module(module), name)(attn_implementation="hf_paged")
+            built = getattr(importlib.import_module(module), name)(attn_implementation="hf_paged",
+                                                                   **self._load_kwargs())
             model, tokenizer = built if isinstance(built, tuple) else (built, None)
             return (None, tokenizer) if tokenizer_only else (model, tokenizer)
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
@@ -41,7 +50,8 @@ class ModelFromPath:
         if (model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                 and model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
             auto = AutoModelForImageTextToText  # a vision-language model (LLaVA, Mistral 3, ...)
-        return auto.from_pretrained(self.path, attn_implementation="hf_paged", local_files_only=True), tokenizer
+        return auto.from_pretrained(self.path, attn_implementation="hf_paged", local_files_only=True,
+                                    **self._load_kwargs()), tokenizer
 
     def processor(self):
         """The folder's multimodal processor (transformers' `AutoProcessor`), or None: a factory, the

@@ -21,8 +21,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_paged"
 CHAIN = ["core", "attention", "hf", "worker", "spec_decode", "engine", "integrations"]
 # The fronts, side by side above the chain: each may import the whole chain, none imports another, and
 # nothing in the chain imports them. `serve` (HTTP) fronts any `engine.EngineClient`: an `AsyncEngine`,
-# or `disagg`'s async client, which only the package front (`cli`) hands it.
-FRONTS = ["disagg", "serve"]
+# or `disagg`'s async client, which only the package front (`cli`) hands it; `parallel` starts tensor-parallel
+# ranks, which `cli` hands the server too.
+FRONTS = ["disagg", "serve", "parallel"]
 # They stand apart: nothing of the chain imports them, and they import only the leaf `config`
 # (`defaults` uses the package only through transformers' public `attn_implementation` flag).
 APART = ["planner", "defaults"]

@@ -147,6 +147,7 @@ def load_default(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "sdpa",
     device: str | torch.device | None = None,
+    **load_kwargs,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Loads SmolLM2-135M-Instruct and its tokenizer, converting the GGUF file on first use.
 
@@ -158,6 +159,7 @@ def load_default(
         dtype: Parameter dtype of the loaded model.
         attn_implementation: Attention backend passed to transformers (``"sdpa"``, ``"eager"``, ...).
         device: Device to move the model to; ``None`` leaves it on the CPU.
+        load_kwargs: passed on to ``from_pretrained`` (``distributed_config=`` for tensor parallelism).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -167,7 +169,7 @@ def load_default(
     """
     path = ensure_default_checkpoint()
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True, **load_kwargs
     ).eval()
     if device is not None:
         model.to(device)

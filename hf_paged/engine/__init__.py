@@ -22,8 +22,9 @@ Drives `core` (scheduler), `hf` (the KV owner), `worker` (forward, sampling) and
 from .async_engine import AsyncEngine, AsyncRequest
 from .delivery import RequestHandle
 from .engine import Engine, EngineClosedError
+from .executor import ExecutorLostError
 from .metrics import EngineMetrics, RequestMetrics
 from .outputs import RequestOutput, StreamEvent
 from .protocol import EngineClient, EngineRequest
 
-__all__ = ["AsyncEngine", "AsyncRequest", "Engine", "EngineClient", "EngineClosedError", "EngineMetrics", "EngineRequest", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]
+__all__ = ["AsyncEngine", "AsyncRequest", "Engine", "EngineClient", "EngineClosedError", "EngineMetrics", "ExecutorLostError", "EngineRequest", "RequestHandle", "RequestMetrics", "RequestOutput", "StreamEvent"]

@@ -30,7 +30,7 @@ from ..spec_decode import ProposalRequest, verify_greedy
 from ..worker import Chunk
 from ..worker.sampler import SampleRow, Sampler, SamplerOutput
 from ..worker.sampling import SamplingState, sample_seed
-from .executor import Executor, ExecutorStep
+from .executor import Executor, ExecutorLostError, ExecutorStep
 from .images import ImageQueue
 from .metrics import EngineMetrics, RequestMetrics
 from .output_processor import OutputProcessor
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # is retried: the step is undone and the request recomputed); so does every unfinished request when
 # this many steps in a row fail before any request could be blamed (scheduling).
 MAX_STEP_FAILURES = 3
+_FATAL = (UnsupportedModelError, ExecutorLostError)  # a step failing so fails every retry: its requests end at once
 
 
 class RequestError(ValueError):
@@ -440,8 +441,8 @@ class EngineCore:
                 self.scheduler.preempt(request)
                 self._note_preempted(tracked)
             tracked.num_failures += 1
-            if tracked.num_failures >= MAX_STEP_FAILURES or isinstance(exc, UnsupportedModelError):
-                self.fail(tracked, exc)  # an unsupported model fails the same way on every retry
+            if tracked.num_failures >= MAX_STEP_FAILURES or isinstance(exc, _FATAL):
+                self.fail(tracked, exc)  # an unsupported model or a lost executor fails the same way on every retry
 
     def _on_failed_schedule(self, exc: Exception) -> None:
         """Scheduling (or the engine's own bookkeeping around it) raised: undo whatever it began."""

@@ -49,6 +49,8 @@ from .kept_kv import KeptKVAPI
 from .kv_budget import default_num_blocks
 from .loop import StepLoop
 from .output_processor import OutputProcessor
+from .tensor_parallel import (Follower, Lead, TensorParallelCalls, TensorParallelExecutor, check_tensor_parallel,
+                              tensor_parallel_group)
 from .outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class EngineClosedError(RuntimeError):
 
 
 
-class Engine(BlockingAPI, KeptKVAPI):
+class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
     """Continuous-batching generation for a transformers causal LM.
 
     Its keyword defaults are `config.EngineConfig`'s: `Engine(model, tokenizer, **EngineConfig(...).engine_kwargs())`
@@ -153,8 +155,14 @@ class Engine(BlockingAPI, KeptKVAPI):
             kv_quant_scheme=kv_quant_scheme, kv_quant_rotation=kv_quant_rotation,
             enable_prefix_caching=enable_prefix_caching, enable_hybrid_kv=enable_hybrid_kv, cache_salt=cache_salt,
         )
-        cache_config = replace(probe, max_kv_bytes=None, num_blocks=num_blocks or default_num_blocks(
-            model, probe, max_num_seqs, model_len, self.device))
+        # A tensor-parallel model: rank 0 runs the engine, the other ranks follow (`tensor_parallel.py`).
+        self.tensor_parallel = tp = tensor_parallel_group(model)
+        probe = check_tensor_parallel(tp, probe, draft_model, speculative_method)
+        cuda_graphs = cuda_graphs and tp is None
+        num_blocks = num_blocks or default_num_blocks(model, probe, max_num_seqs, model_len, self.device)
+        if tp is not None:
+            num_blocks = tp.broadcast(num_blocks)  # rank 0's pool: every rank holds the same block ids
+        cache_config = replace(probe, max_kv_bytes=None, num_blocks=num_blocks)
         kv = PagedCache(model.config, cache_config).kv  # the model's layers write through the adapter
         kv.use_checkpoint_kv_scales(model)
         eos_token_ids = (model_eos_token_ids(model, tokenizer) if eos_token_ids is None
@@ -172,7 +180,8 @@ class Engine(BlockingAPI, KeptKVAPI):
         self.outputs = OutputProcessor(tokenizer)
         self.core = EngineCore(
             Scheduler(kv.manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-            InProcessExecutor(runner), kv, self.outputs, proposer=proposer,
+            TensorParallelExecutor(runner, tp) if tp is not None else InProcessExecutor(runner), kv, self.outputs,
+            proposer=proposer,
             num_speculative_tokens=num_speculative_tokens, eos_token_ids=eos_token_ids,
             max_model_len=model_len, vocab_size=self.vocab_size,
             fingerprint=lambda: weights_fingerprint(model))
@@ -186,6 +195,8 @@ class Engine(BlockingAPI, KeptKVAPI):
         self._inbox: deque[tuple] = deque()
         self.loop = StepLoop(self._lock, self._loop_turn, self._loop_died)
         self._closed = False  # `shutdown()`: every later call raises EngineClosedError
+        self._follower = Follower(runner, tp) if tp is not None and not tp.leads else None
+        self._lead = Lead(tp) if tp is not None and tp.leads else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | SequenceABC[int], sampling_params: SamplingParams | None = None,
@@ -474,6 +485,7 @@ class Engine(BlockingAPI, KeptKVAPI):
             self.core.end_all("abort")
             self.kv.evict_kept()
             self.kv.free(self.core.drop_finished_groups())
+            self._stop_followers()
 
     @property
     def is_closed(self) -> bool:

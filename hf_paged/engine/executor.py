@@ -17,6 +17,11 @@ import torch
 from ..worker import Chunk, ModelRunner
 
 
+class ExecutorLostError(RuntimeError):
+    """The executor can run no step any more (a tensor-parallel rank's process is gone): every request it
+    had fails with this at once, and so does every later step. Not a request's fault, nor transient."""
+
+
 @dataclass
 class ExecutorStep:
     """One forward: a chunk per scheduled sequence, the step's copy-on-write copies, and the full

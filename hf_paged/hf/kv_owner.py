@@ -81,7 +81,8 @@ class KVOwner:
                                          rotate=self.cache_config.kv_quant_rotation) if spec.is_quantized else None)
         self.model_config = config
         self.has_latent_kv = has_latent_kv(config)
-        self._config_kv_shapes = kv_head_shapes(config)  # (num_kv_heads, head_dim, head_dim_v)
+        # (num_kv_heads, head_dim, head_dim_v) of this rank
+        self._config_kv_shapes = kv_head_shapes(config, self.cache_config.tensor_parallel_size)
         self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
         self.manager = BlockManager(self.pool, self.block_size, self.layout.windows or (None,), lookback=lookback)
         self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)

@@ -183,16 +183,28 @@ def has_latent_kv(config) -> bool:
     return getattr(config.get_text_config(decoder=True), "kv_lora_rank", None) is not None
 
 
-def kv_head_shapes(config) -> tuple[int, int, int]:
+def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int]:
     """(num_kv_heads, head_dim, head_dim_v) of the K and V states a layer passes to `cache.update`,
-    from the config alone (the cache allocates from the states themselves once it sees them)."""
+    from the config alone (the cache allocates from the states themselves once it sees them); with
+    `tensor_parallel_size` N, one rank's: its N-th of the KV heads (transformers' tensor parallelism
+    splits the K/V projections by head).
+
+    Raises:
+        ValueError: N does not divide the KV heads, or the model keeps latent K/V (one shared head).
+    """
     text = config.get_text_config(decoder=True)
     if has_latent_kv(config):
+        if tensor_parallel_size > 1:
+            raise ValueError("hf_paged: latent attention (one shared K/V head) cannot be split over tensor-parallel "
+                             f"ranks (tensor_parallel_size={tensor_parallel_size})")
         return 1, text.kv_lora_rank, text.qk_rope_head_dim
     num_attention_heads = getattr(text, "num_attention_heads", 1)
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_attention_heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_attention_heads
-    return num_kv_heads, head_dim, head_dim
+    if num_kv_heads % tensor_parallel_size or num_attention_heads % tensor_parallel_size:
+        raise ValueError(f"hf_paged: tensor_parallel_size={tensor_parallel_size} must divide the model's "
+                         f"{num_attention_heads} attention heads and {num_kv_heads} KV heads")
+    return num_kv_heads // tensor_parallel_size, head_dim, head_dim
 
 
 def check_paged_attention_supported(config) -> None:

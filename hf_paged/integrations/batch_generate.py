@@ -53,6 +53,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..config import PagedCacheConfig, check_pool_fits
 from ..engine import Engine
+from ..engine.tensor_parallel import tensor_parallel_group
 from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
 from ..hf.multimodal import ImageSupport
@@ -155,36 +156,42 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
             engine = stack.enter_context(model_engine(model, engine_kwargs, call.spec_kwargs(), call.eos_ids))
         else:
             widen_engine(engine, engine_kwargs)
-        passed, rows, params = call.passed, call.rows, call.params
-        prefixes = passed.continuation_prefixes(engine, call.input_ids, call.attention_mask, rows) if passed else None
+        # Under tensor parallelism every rank makes this call: rank 0 runs it, the others follow its steps.
+        return engine.run_on_every_rank(lambda: _run_call(call, engine))
+
+
+def _run_call(call: EngineCall, engine: Engine):
+    """Run a planned call on `engine`: what stock `generate` returns, or None when stock must serve it."""
+    passed, rows, params = call.passed, call.rows, call.params
+    prefixes = passed.continuation_prefixes(engine, call.input_ids, call.attention_mask, rows) if passed else None
+    try:
         try:
-            try:
-                prompts = call.prompts(engine)
-            except ValueError as exc:  # images the engine cannot split per image: stock serves (or raises its own)
-                logger.debug("hf_paged: stock generate serves this call (images: %s)", exc)
-                if passed is not None:
-                    passed.release_rows()
-                return None
-            if call.is_stepwise:
-                samples, request_ids = _run_stepwise(engine, prompts, params, call.input_ids, call.pad, call.streamer,
-                                                     call.criteria, prefixes, call.retain)
-                metrics = engine.metrics()
-            elif call.retain or prefixes is not None or call.image_data is not None:
-                outputs = engine.generate(prompts, params, kv_prefixes=prefixes, retain_kv=call.retain)
-                metrics = engine.metrics()
-                _raise_first_error(model, metrics, [out.outputs for out in outputs])
-                # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
-                samples = [sample for out in outputs for sample in out.outputs]
-                request_ids = [out.request_id for out in outputs]
-            else:  # repeated prompts (RL rollouts) share their blocks
-                per_row = generate_rows(engine, rows, params)
-                metrics = engine.metrics()
-                _raise_first_error(model, metrics, per_row)
-                samples, request_ids = [sample for row in per_row for sample in row], [None] * len(rows)
-        except BaseException:
+            prompts = call.prompts(engine)
+        except ValueError as exc:  # images the engine cannot split per image: stock serves (or raises its own)
+            logger.debug("hf_paged: stock generate serves this call (images: %s)", exc)
             if passed is not None:
-                passed.release_rows()  # what it handed to the call went with the call
-            raise
+                passed.release_rows()
+            return None
+        if call.is_stepwise:
+            samples, request_ids = _run_stepwise(engine, prompts, params, call.input_ids, call.pad, call.streamer,
+                                                 call.criteria, prefixes, call.retain)
+            metrics = engine.metrics()
+        elif call.retain or prefixes is not None or call.image_data is not None:
+            outputs = engine.generate(prompts, params, kv_prefixes=prefixes, retain_kv=call.retain)
+            metrics = engine.metrics()
+            _raise_first_error(call.model, metrics, [out.outputs for out in outputs])
+            # Row order of stock's expanded batch: prompt i's samples at rows i*n .. i*n + n-1.
+            samples = [sample for out in outputs for sample in out.outputs]
+            request_ids = [out.request_id for out in outputs]
+        else:  # repeated prompts (RL rollouts) share their blocks
+            per_row = generate_rows(engine, rows, params)
+            metrics = engine.metrics()
+            _raise_first_error(call.model, metrics, per_row)
+            samples, request_ids = [sample for row in per_row for sample in row], [None] * len(rows)
+    except BaseException:
+        if passed is not None:
+            passed.release_rows()  # what it handed to the call went with the call
+        raise
     return build_output(call, engine, samples, request_ids, metrics)
 
 
@@ -340,6 +347,13 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if "mm_token_type_ids" in image_side and call.retain:
         # A returned cache turns dense with 1-D positions (`ReturnedCache.to_dense`): not Qwen-VL's 3-D ones.
         logger.debug("hf_paged: stock generate serves this call (a returned cache of M-RoPE images)")
+        return None
+    if tensor_parallel_group(model) is not None and (
+            call.retain or passed is not None or streamer is not None or criteria is not None or assistant is not None
+            or image_data is not None):
+        # Rank 0 alone runs a tensor-parallel call and hands the other ranks its result: returned caches,
+        # streamers, a caller's stopping criteria and images stay with stock, which every rank runs.
+        logger.debug("hf_paged: stock generate serves this tensor-parallel call (cache, streamer, criteria, images)")
         return None
     return call
 

@@ -31,6 +31,8 @@ def add_subcommands(subparsers) -> None:
     kv.add_argument("--kv-dtype", default="bfloat16",
                     help=f"KV cache dtype: {', '.join(sizing.DTYPE_NAMES)} (default bfloat16; fp8/int8 bytes include their scales)")
     kv.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads (what-if)")
+    kv.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: the figures are one rank's (its share of the KV heads; default 1)")
     kv.add_argument("--compare", action="store_true", help="MHA vs GQA vs MQA (vs MLA) vs fp8, side by side")
     kv.add_argument("--plot", metavar="PNG", help="draw KV GB against context length per attention variant")
     kv.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -95,13 +97,15 @@ def run_kv_size(args) -> int:
     shape = _shape(args)
     if args.kv_heads is not None:
         shape = shape.with_kv_heads(args.kv_heads)
+    kind = shape.attention_kind  # the model's, not what one rank's share of the heads looks like
+    shape = shape.per_rank(args.tp)
     sizing.dtype_bytes(args.kv_dtype)
     if args.seq_len < 1:
         raise ValueError(f"seq-len must be positive, got {args.seq_len}")
     if args.compare:
         rows = sizing.compare_kv(shape, args.seq_len, args.batch, args.kv_dtype)
     else:
-        rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype)]
+        rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype, variant=kind)]
     if args.plot:
         plot_kv_vs_context(shape, args.plot, kv_dtype=args.kv_dtype, batch_size=args.batch, seq_len=args.seq_len)
     windows = {w for w in shape.layer_windows if w is not None}

@@ -230,6 +230,25 @@ class ModelShape:
             num_moe_layers=num_moe, num_experts=num_experts, num_experts_per_tok=top_k, expert_params=expert,
         )
 
+    def per_rank(self, tensor_parallel_size: int) -> "ModelShape":
+        """One rank's share under tensor parallelism over `tensor_parallel_size` ranks: its attention and KV
+        heads (the rank's KV figures are the model's divided by the ranks).
+
+        Raises:
+            ValueError: the ranks do not divide the heads, or latent attention (one shared K/V head).
+        """
+        _check_positive(tp=tensor_parallel_size)
+        if tensor_parallel_size == 1:
+            return self
+        if self.is_mla:
+            raise ValueError(f"latent attention (one shared K/V head) cannot be split over {tensor_parallel_size} ranks")
+        if self.num_kv_heads % tensor_parallel_size or self.num_attention_heads % tensor_parallel_size:
+            raise ValueError(f"tp {tensor_parallel_size} must divide the {self.num_attention_heads} attention heads "
+                             f"and {self.num_kv_heads} KV heads")
+        return replace(self, name=f"{self.name} (one of {tensor_parallel_size} TP ranks)",
+                       num_attention_heads=self.num_attention_heads // tensor_parallel_size,
+                       num_kv_heads=self.num_kv_heads // tensor_parallel_size)
+
     def with_kv_heads(self, num_kv_heads: int) -> "ModelShape":
         """The same model with standard attention and `num_kv_heads` KV heads (MHA/GQA/MQA what-ifs)."""
         _check_positive(kv_heads=num_kv_heads)

@@ -40,7 +40,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ..engine import AsyncEngine, EngineClient, EngineClosedError
+from ..engine import AsyncEngine, EngineClient, EngineClosedError, ExecutorLostError
 from ..sampling_params import SamplingParams
 from ..worker.cpu_caches import bound_cpu_kernel_caches
 from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
@@ -243,7 +243,8 @@ class Server:
                 self.in_flight -= 1
         failed = [s.error for s in output.outputs if s.error is not None]
         if failed:
-            status = 400 if isinstance(failed[0], (ValueError, TypeError)) else 500
+            status = (400 if isinstance(failed[0], (ValueError, TypeError))
+                      else 503 if isinstance(failed[0], ExecutorLostError) else 500)
             self.counts["client_errors" if status == 400 else "server_errors"] += 1
             return _json(APIError(status, f"generation failed: {failed[0]}",
                                   type="invalid_request_error" if status == 400 else "server_error").body(), status)
@@ -440,8 +441,9 @@ class Server:
         except Exception as exc:  # noqa: BLE001 - after the first byte the status is sent: say so in the stream
             logger.warning("hf_paged serve: stream %s failed: %r", rid, exc)
             self.counts["server_errors"] += 1
-            yield _sse(APIError(500, "generation failed" if not isinstance(exc, EngineClosedError)
-                                else f"the engine stopped: {exc}", type="server_error").body())
+            stopped = isinstance(exc, (EngineClosedError, ExecutorLostError))
+            yield _sse(APIError(503 if stopped else 500, f"the engine stopped: {exc}" if stopped else "generation failed",
+                                type="server_error").body())
         yield b"data: [DONE]\n\n"
 
     async def _close_stream(self, pending) -> None:
@@ -541,7 +543,7 @@ class _EngineCollector:
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
-def main(argv: list[str] | None = None, disaggregated=None) -> int:
+def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None) -> int:
     """`hf-paged serve MODEL_DIR|default|module:callable [--host --port --api-key ...]`.
 
     Args:
@@ -549,6 +551,9 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
             `--num-decode`: called as `disaggregated(model_factory, tokenizer=, num_prefill=,
             num_decode=, engine_kwargs=)`, with a `max_model_len` attribute on what it returns (the
             `hf-paged` command passes `disagg.AsyncDisaggregatedEngine.launch`).
+        tensor_parallel: starts and stops the other ranks for `--tensor-parallel-size`: a module with
+            `start_ranks(model, size, engine_kwargs) -> ranks` and `stop_ranks(ranks)` (the `hf-paged`
+            command passes `hf_paged.parallel`).
     """
     import argparse
     import dataclasses
@@ -576,8 +581,17 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
                         help="serve over disaggregated workers: prefill processes (default 1 with --num-decode)")
     parser.add_argument("--num-decode", type=int, default=None,
                         help="serve over disaggregated workers: decode processes (default 1 with --num-prefill)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over this many ranks (processes this command starts; gloo on CPU, "
+                             "NCCL on GPU) with transformers' tensor parallelism; this process is rank 0")
     args = parser.parse_args(argv)
+    if args.tensor_parallel_size < 1:
+        parser.error(f"--tensor-parallel-size must be a positive integer, got {args.tensor_parallel_size}")
     is_disaggregated = args.num_prefill is not None or args.num_decode is not None
+    if args.tensor_parallel_size > 1 and tensor_parallel is None:
+        parser.error("--tensor-parallel-size is wired by the hf-paged command (python -m hf_paged.cli serve)")
+    if is_disaggregated and args.tensor_parallel_size > 1:
+        parser.error("--tensor-parallel-size does not combine with --num-prefill/--num-decode yet")
     if is_disaggregated and disaggregated is None:
         parser.error("--num-prefill/--num-decode are wired by the hf-paged command (python -m hf_paged.cli serve)")
     try:  # before loading anything: an empty key would open every route
@@ -588,6 +602,7 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
     import uvicorn
 
     _require()
+    ranks = []  # the tensor-parallel ranks this process starts (--tensor-parallel-size)
     bound_cpu_kernel_caches()  # before the first forward: a server's RSS stays flat (worker/cpu_caches.py)
     if is_disaggregated:  # the workers load the model; this process only tokenises
         factory = ModelFromPath(args.model)
@@ -600,7 +615,10 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
                                .engine_kwargs())
         limit = args.max_model_len or min(client.max_model_len or 2048, 8192)
     else:
-        source = ModelFromPath(args.model)
+        if args.tensor_parallel_size > 1:  # ranks 1.. start now: every rank loads its shard at once
+            ranks = tensor_parallel.start_ranks(args.model, args.tensor_parallel_size, EngineConfig.from_cli_args(
+                args, max_model_len=args.max_model_len).engine_kwargs())
+        source = ModelFromPath(args.model, args.tensor_parallel_size)
         model, tokenizer = source()
         if tokenizer is None:
             parser.error(f"{args.model} has no tokenizer")
@@ -630,4 +648,6 @@ def main(argv: list[str] | None = None, disaggregated=None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight requests, return
     asyncio.run(client.shutdown(drain=False))
+    if ranks:
+        tensor_parallel.stop_ranks(ranks)  # they stopped following when the engine shut down
     return 0

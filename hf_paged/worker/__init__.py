@@ -15,9 +15,9 @@ Neither decides which requests run (that is `core.scheduler`) nor holds request 
 """
 
 from .cpu_caches import bound_cpu_kernel_caches
-from .runner import Chunk, ModelRunner
+from .runner import Chunk, ModelRunner, StepInputs
 from .sampler import SampleRow, Sampler, SamplerOutput, TokenLogprobs, processed_logits, sample_processed
 from .sampling import SamplingState, draw_seed, sample_seed, uniform
 
-__all__ = ["bound_cpu_kernel_caches", "Chunk", "ModelRunner", "SampleRow", "Sampler", "SamplerOutput", "SamplingState",
+__all__ = ["bound_cpu_kernel_caches", "Chunk", "ModelRunner", "SampleRow", "StepInputs", "Sampler", "SamplerOutput", "SamplingState",
            "TokenLogprobs", "draw_seed", "processed_logits", "sample_processed", "sample_seed", "uniform"]

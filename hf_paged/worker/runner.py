@@ -26,7 +26,7 @@ import inspect
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -68,6 +68,26 @@ class Chunk:
             return None
         offsets, rows = self.images.rows_in(self.start, self.start + len(self.token_ids))
         return (offsets, rows) if offsets else None
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs as host values (lists, and the few tensors images bring): a `Chunk` list made
+    plain by `ModelRunner.inputs_for`, so that a process without the scheduler's sequences (a tensor-
+    parallel rank) runs the same step. Per token: `input_ids`, `positions`; per sequence: `q_lens`,
+    `seq_lens`; `keep`: the token rows whose logits are returned."""
+
+    input_ids: list[int]
+    positions: list[int]
+    keep: list[int]
+    q_lens: list[int]
+    seq_lens: list[int]
+    copies: list[tuple[int, int]]
+    group_slots: list[list[list[int]]]  # [group][sequence][token]
+    group_block_tables: list[list[list[int]]]  # [group][sequence][block]
+    key_limits: list[int] | None = None
+    rope_positions: torch.Tensor | None = None  # [3, 1, num_tokens] (Qwen-VL)
+    image_rows: list = field(default_factory=list)  # [(first token of the chunk, (offsets, feature rows))]
 
 
 class ModelRunner:
@@ -121,6 +141,14 @@ class ModelRunner:
                 self.kv.commit(new_full_blocks)
                 return logits
             began = time.perf_counter()  # the capture failed and graphs are off: this step runs eagerly
+        return self.run(self.inputs_for(chunks, copies, placed), new_full_blocks, began)
+
+    def inputs_for(self, chunks: list[Chunk], copies: list[tuple[int, int]],
+                   placed: list | None = None) -> "StepInputs":
+        """The step's inputs as plain host values: what `run` (on this process or on another tensor-parallel
+        rank, which has no `KVSequence`s) needs to run the same forward."""
+        if placed is None:
+            placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
         input_ids, positions, keep, starts = [], [], [], []
         for chunk in chunks:
             starts.append(len(input_ids))
@@ -128,20 +156,30 @@ class ModelRunner:
             positions.extend(range(chunk.start, chunk.start + len(chunk.token_ids)))
             end = len(input_ids)
             keep.extend(range(end - chunk.num_logits, end))
-        meta = build_packed_metadata(
-            q_lens=[len(c.token_ids) for c in chunks],
-            seq_lens=[c.seq.num_tokens for c in chunks],
-            copies=copies,
-            device=self.device,
+        rope = any(c.images is not None and c.images.mrope is not None for c in chunks)  # Qwen-VL's 3-D positions
+        fields = self.kv.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks])
+        return StepInputs(
+            input_ids=input_ids, positions=positions, keep=keep,
+            q_lens=[len(c.token_ids) for c in chunks], seq_lens=[c.seq.num_tokens for c in chunks],
+            copies=list(copies), group_slots=fields["group_slots"], group_block_tables=fields["group_block_tables"],
             key_limits=self._key_limits(chunks) if placed else None,
-            **self.kv.group_fields([c.group_slots for c in chunks], [c.seq for c in chunks]),
-        )
-        ids = host_to_device([input_ids], torch.long, self.device)  # [1, num_tokens]
-        pos = host_to_device([positions], torch.long, self.device)  # [1, num_tokens]
-        if rope:
-            pos = self._rope_positions(chunks).to(self.device, non_blocking=True)  # [3, 1, num_tokens]
-        keep_index = host_to_device(keep, torch.long, self.device)  # [sum(num_logits)]
-        embeds = self._embed_with_images(ids, [(starts[i], rows) for i, rows in placed]) if placed else None
+            rope_positions=self._rope_positions(chunks) if rope else None,
+            image_rows=[(starts[i], rows) for i, rows in placed])
+
+    def run(self, inputs: "StepInputs", new_full_blocks: Sequence[tuple[int, int]] = (),
+            began: float | None = None) -> torch.Tensor:  # [len(inputs.keep), vocab]
+        """One eager forward of `inputs` (one `KVOwner` step transaction); publishes `new_full_blocks`."""
+        began = time.perf_counter() if began is None else began
+        meta = build_packed_metadata(
+            q_lens=inputs.q_lens, seq_lens=inputs.seq_lens, copies=inputs.copies, device=self.device,
+            key_limits=inputs.key_limits, group_slots=inputs.group_slots,
+            group_block_tables=inputs.group_block_tables, **self.kv.group_layout())
+        ids = host_to_device([inputs.input_ids], torch.long, self.device)  # [1, num_tokens]
+        pos = host_to_device([inputs.positions], torch.long, self.device)  # [1, num_tokens]
+        if inputs.rope_positions is not None:
+            pos = inputs.rope_positions.to(self.device, non_blocking=True)  # [3, 1, num_tokens]
+        keep_index = host_to_device(inputs.keep, torch.long, self.device)  # [sum(num_logits)]
+        embeds = self._embed_with_images(ids, inputs.image_rows) if inputs.image_rows else None
         self.kv.begin(meta)
         called = time.perf_counter()
         self.last_metadata_seconds = called - began

@@ -1,0 +1,136 @@
+"""Tensor parallelism on this machine: the same batch job at TP 1 and TP 2, tokens/s and each rank's KV bytes.
+
+The model: a random-weight Llama (8 layers, width 512, 8 heads, 4 KV heads, vocabulary 8192, fp32) with
+SmolLM2's tokenizer, saved to a temporary folder. The workload: `--num-requests` prompts of 16-128 words
+(seeded), greedy, `--new-tokens` tokens each. Each method is one `hf-paged generate --input ... --output`
+batch job (a fresh process: model load, engine, job), alternated `--repeats` times; the job's own
+tokens/s line (generation only, not the load) is what is compared, as medians:
+
+  * tp1: one process (all cores).
+  * tp2: `--tensor-parallel-size 2`: this job's process is rank 0 and starts rank 1 (gloo on CPU).
+
+It checks that both wrote the same tokens for every row, and prints the pool's K/V bytes per token per
+rank from `hf-paged kv-size --tp` beside the model's.
+
+`--smollm2-tp3` also runs the parity check of `tests/parallel/tp_worker.py` on the embedded SmolLM2-135M
+(9 heads, 3 KV heads) at TP 3 under torchrun (about a minute on 2 cores, too slow for the suite):
+`Engine.generate` and drop-in `generate`, greedy and seeded, with and without preemption, on every rank
+against the single-process model, and each rank's pool bytes against `kv-size --tp 3`.
+
+On a 2-core CPU, TP 2 gives each rank one core (OMP_NUM_THREADS=1 per rank) and adds two all-reduces per
+layer per step over loopback TCP: it is expected to be slower than TP 1 with both cores. Tensor
+parallelism is for a model that does not fit one device, or for more memory bandwidth across devices;
+GPU figures are printed only where a GPU is.
+
+    python benchmarks/parallel.py [--num-requests 32] [--new-tokens 32] [--repeats 3] [--smollm2-tp3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def build_model(folder: pathlib.Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_paged.defaults.models import load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def job(model: pathlib.Path, rows: pathlib.Path, out: pathlib.Path, new_tokens: int, tp: int) -> tuple[float, list]:
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "hf_paged.cli", "generate", "--model", str(model), "--input", str(rows),
+           "--output", str(out), "--no-progress", "--max-new-tokens", str(new_tokens)]
+    env = dict(os.environ)
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp)]
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // tp))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+    line = proc.stdout.strip().splitlines()[-1]
+    tokens, seconds = map(float, re.search(r"(\d+) tokens in ([\d.]+) s", line).groups())
+    written = sorted((r["index"], r["token_ids"]) for r in map(json.loads, out.read_text().splitlines()))
+    return tokens / seconds, written
+
+
+def smollm2_tp3() -> None:
+    from hf_paged.defaults.models import ensure_default_checkpoint
+
+    folder = ensure_default_checkpoint()
+    worker = pathlib.Path(__file__).resolve().parents[1] / "tests" / "parallel" / "tp_worker.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = pathlib.Path(tmp) / "out.json"
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                        str(worker), str(folder), str(out)], capture_output=True, text=True, check=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+        single = json.loads(out.read_text())
+        ranks = [json.loads((pathlib.Path(tmp) / f"out.json.rank{r}").read_text()) for r in range(3)]
+    planned = subprocess.run([sys.executable, "-m", "hf_paged.cli", "kv-size", str(folder), "--tp", "3",
+                              "--kv-dtype", "float32", "--json"], capture_output=True, text=True, check=True)
+    print("SmolLM2-135M at TP 3 (torchrun, gloo), every rank against the single process:")
+    for key in ("greedy", "sampled", "preempted_greedy", "preempted_sampled", "dropin_greedy", "dropin_sampled"):
+        print(f"  {key:18s} equal on all 3 ranks: {all(r[key] == single[key] for r in ranks)}")
+    print(f"  drop-in greedy equals stock generate: {ranks[0]['dropin_greedy'] == single['stock_greedy']}; "
+          f"preemptions: {ranks[0]['preemptions']}")
+    print(f"  K/V bytes per token: single {single['bytes_per_token']:,}, per rank "
+          f"{[r['bytes_per_token'] for r in ranks]}, kv-size --tp 3: "
+          f"{json.loads(planned.stdout)['rows'][0]['bytes_per_token']:,}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smollm2-tp3", action="store_true", help="also check SmolLM2 at TP 3 (about a minute)")
+    args = parser.parse_args()
+    if args.smollm2_tp3:
+        smollm2_tp3()
+    rng = random.Random(0)
+    words = "the of and a to in is was he for it with as his on be at by had are but from or have an".split()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        model = tmp / "model"
+        build_model(model)
+        rows = tmp / "rows.jsonl"
+        rows.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(16, 128)))})
+                                + "\n" for _ in range(args.num_requests)))
+        speeds = {1: [], 2: []}
+        outputs = {}
+        for _ in range(args.repeats):
+            for tp in (1, 2):  # alternated
+                speed, outputs[tp] = job(model, rows, tmp / f"out{tp}.jsonl", args.new_tokens, tp)
+                speeds[tp].append(speed)
+        kv = {}
+        for tp in (1, 2):
+            planned = subprocess.run([sys.executable, "-m", "hf_paged.cli", "kv-size", str(model), "--tp", str(tp),
+                                      "--kv-dtype", "float32", "--json"], capture_output=True, text=True, check=True)
+            kv[tp] = json.loads(planned.stdout)["rows"][0]["bytes_per_token"]
+    med = {tp: statistics.median(v) for tp, v in speeds.items()}
+    print(f"{args.num_requests} requests x {args.new_tokens} tokens, {args.repeats} alternated runs each, "
+          f"{os.cpu_count()} CPU cores")
+    for tp in (1, 2):
+        print(f"  tp{tp}: median {med[tp]:8.1f} tokens/s  (runs {', '.join(f'{s:.1f}' for s in speeds[tp])}); "
+              f"K/V bytes per token per rank {kv[tp]:,}")
+    print(f"  tp2 / tp1 tokens/s: {med[2] / med[1]:.2f}x; per-rank K/V bytes: {kv[2] / kv[1]:.2f}x")
+    print(f"  same tokens for every row: {outputs[1] == outputs[2]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Tensor-parallel ranks without torchrun: `hf-paged serve --tensor-parallel-size N` starts its own.
+
+The serving process becomes rank 0 (HTTP, the engine, sampling); `start_ranks` starts ranks 1..N-1 as
+child processes (`python -m hf_paged.parallel.launch`), each of which loads its shard of the same model
+and builds an `Engine` with the same settings, then follows rank 0's steps until rank 0's engine shuts
+down. They meet through torch.distributed's environment rendezvous on a free loopback port (gloo on
+CPU, NCCL on GPU: what transformers' tensor parallelism initialises).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_ranks(model: str, tensor_parallel_size: int, engine_kwargs: dict) -> list[subprocess.Popen]:
+    """Make this process rank 0 of `tensor_parallel_size` ranks and start the others; returns their
+    processes. Load the model (`ModelFromPath(model, tensor_parallel_size)`) after this: every rank
+    loads at once."""
+    if tensor_parallel_size < 2:
+        raise ValueError(f"tensor_parallel_size must be 2 or more to start ranks, got {tensor_parallel_size}")
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+                  "WORLD_SIZE": str(tensor_parallel_size), "LOCAL_WORLD_SIZE": str(tensor_parallel_size)}
+    spec = json.dumps({"model": model, "tensor_parallel_size": tensor_parallel_size, "engine_kwargs": engine_kwargs})
+    procs = []
+    for rank in range(1, tensor_parallel_size):
+        env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen([sys.executable, "-m", "hf_paged.parallel.launch", spec], env=env,
+                                      preexec_fn=_die_with_parent))
+    os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})
+    atexit.register(_kill, procs)  # rank 0 exiting any way but `stop_ranks` (an error at start) leaves none behind
+    return procs
+
+
+def _die_with_parent() -> None:
+    """In a started rank, before it runs: the kernel sends it SIGTERM when rank 0's process dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stop_ranks(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
+    """Wait for the ranks `start_ranks` started (rank 0's engine shut down: they stop following), killing
+    any still running after `timeout` seconds: none outlives the server."""
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def follower_main(spec: str) -> int:
+    """A started rank: load the shard, build the same engine, follow rank 0 until it shuts down."""
+    from ..engine import Engine
+    from ..model_source import ModelFromPath
+    from ..worker import bound_cpu_kernel_caches
+
+    settings = json.loads(spec)
+    bound_cpu_kernel_caches()
+    model, tokenizer = ModelFromPath(settings["model"], settings["tensor_parallel_size"])()
+    engine = Engine(model.eval(), tokenizer, **settings["engine_kwargs"], show_progress=False)
+    engine.serve_as_follower()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(follower_main(sys.argv[1]))

@@ -1,0 +1,70 @@
+"""Tensor parallelism (`hf_paged.parallel`): a tiny model split over 2 ranks under torchrun (gloo on CPU)
+gives exactly the single-process output through `Engine.generate` and drop-in `generate`, greedy and
+seeded-sampled, with and without preemption, on every rank; each rank's pool holds half the K/V bytes
+per token, as `hf-paged kv-size --tp 2` says."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import tiny_model
+
+WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _launch(model_dir, out, nproc: int = 2) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(WORKER), str(model_dir), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
+    model_dir = tmp_path / arch
+    tiny_model(arch).save_pretrained(model_dir)
+    out = tmp_path / "out.json"
+    _launch(model_dir, out)
+    single = json.loads(out.read_text())
+    ranks = [json.loads((tmp_path / f"out.json.rank{r}").read_text()) for r in range(2)]
+    for key in ("greedy", "sampled", "preempted_greedy", "preempted_sampled", "dropin_greedy", "dropin_sampled"):
+        for rank, got in enumerate(ranks):
+            assert got[key] == single[key], f"{key} on rank {rank}"
+    assert ranks[0]["dropin_greedy"] == single["stock_greedy"]  # and that is stock's
+    assert ranks[0]["preemptions"] > 0 and ranks[0]["dropin_steps"] > 0  # the engine preempted; drop-in ran it
+    # Each rank's pool holds its half of the KV heads: half the bytes per token, as the planner says.
+    assert ranks[0]["bytes_per_token"] == ranks[1]["bytes_per_token"] == single["bytes_per_token"] // 2
+    planned = subprocess.run([sys.executable, "-m", "hf_paged.cli", "kv-size", str(model_dir / "config.json"),
+                              "--tp", "2", "--kv-dtype", "float32", "--json"], capture_output=True, text=True,
+                             check=True, cwd=ROOT)
+    assert json.loads(planned.stdout)["rows"][0]["bytes_per_token"] == ranks[0]["bytes_per_token"]
+
+
+def test_kv_size_refuses_a_tp_that_does_not_divide_the_heads(tmp_path):
+    tiny_model("llama").config.save_pretrained(tmp_path)  # 6 heads, 2 KV heads
+    proc = subprocess.run([sys.executable, "-m", "hf_paged.cli", "kv-size", str(tmp_path), "--tp", "4"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "tp 4 must divide the 6 attention heads and 2 KV heads" in proc.stderr
+
+
+def test_a_rank_pool_is_sized_for_its_share_of_the_kv_heads():
+    from hf_paged.config import PagedCacheConfig
+    from hf_paged.hf.kv_owner import KVOwner
+
+    config = tiny_model("llama").config
+    whole = KVOwner(config, PagedCacheConfig(num_blocks=4)).bytes_per_block()
+    half = KVOwner(config, PagedCacheConfig(num_blocks=4, tensor_parallel_size=2)).bytes_per_block()
+    assert half * 2 == whole
+    with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide"):
+        KVOwner(config, PagedCacheConfig(num_blocks=4, tensor_parallel_size=4))
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        PagedCacheConfig(tensor_parallel_size=0)

@@ -1,0 +1,106 @@
+"""`hf-paged serve --tensor-parallel-size 2`: the server starts its second rank itself (no torchrun), answers
+the real openai client exactly as one single-process `Engine` does (greedy, streamed, stop strings, n > 1
+with logprobs), ends a killed rank's requests with a clear 503 at once (no hang), and leaves no process
+behind when it stops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("gguf")
+pytestmark = pytest.mark.slow
+
+from served import Served  # noqa: E402
+
+TP = ("--tensor-parallel-size", "2")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_paged import Engine, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    engine = Engine(AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="hf_paged"), tok,
+                    max_model_len=256)
+
+    def run(prompt: str, **params):
+        return engine.generate([tok(prompt)["input_ids"]], SamplingParams(**params))[0]
+
+    return run
+
+
+def test_tp2_server_answers_as_one_engine(model_dir, single):
+    server = Served(model_dir, *TP)
+    try:
+        ranks = _children(server.proc.pid)
+        assert len(ranks) == 1  # rank 1, started by the server
+        client = server.client()
+        prompt = "The capital of France is"
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        expected = single(prompt, max_new_tokens=12)
+        assert out.choices[0].text == expected.text
+        streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == expected.text
+        stop = expected.text.split()[2] if len(expected.text.split()) > 2 else expected.text[-3:]
+        stopped = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
+        assert stopped.choices[0].text == single(prompt, max_new_tokens=12, stop=[stop]).text
+        assert stopped.choices[0].finish_reason == "stop"
+        two = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=1.0, n=2, seed=3,
+                                        logprobs=2)
+        want = single("Hello", max_new_tokens=6, temperature=1.0, n=2, seed=3, logprobs=2)
+        assert [c.text for c in two.choices] == [s.text for s in want.outputs]
+        assert all(len(c.logprobs.tokens) == 6 for c in two.choices)
+    finally:
+        assert server.stop() == 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(os.path.exists(f"/proc/{p}") for p in ranks)  # the rank stopped with the server
+
+
+def test_a_killed_rank_ends_requests_with_a_clear_503_not_a_hang(model_dir):
+    server = Served(model_dir, *TP)
+    try:
+        client = server.client()
+        assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0).choices[0].text
+        for pid in _children(server.proc.pid):
+            os.kill(pid, signal.SIGKILL)
+        began = time.monotonic()
+        for _ in range(2):  # the request that finds the rank gone, and every later one
+            with pytest.raises(openai.APIStatusError) as err:
+                client.completions.create(model="tiny", prompt="Hi again", max_tokens=4, temperature=0)
+            assert err.value.status_code == 503 and "tensor-parallel rank is gone" in str(err.value)
+        assert time.monotonic() - began < 30
+    finally:
+        assert server.stop() == 0
+
+
+def test_tp2_batch_job_writes_the_single_process_rows(model_dir, tmp_path):
+    import json
+    import sys
+
+    rows = tmp_path / "in.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hello there", "The sky is", "One two three")))
+
+    def job(out, *extra):
+        cmd = [sys.executable, "-m", "hf_paged.cli", "generate", "--model", str(model_dir), "--input", str(rows),
+               "--output", str(out), "--no-progress", "--max-new-tokens", "8", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return sorted((r["index"], r["token_ids"]) for r in map(json.loads, out.read_text().splitlines()))
+
+    assert job(tmp_path / "tp2.jsonl", *TP) == job(tmp_path / "tp1.jsonl")
