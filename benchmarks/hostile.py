@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import _free_port, _pct, _rss_kib, start_server  # noqa: E402  (benchmarks/ is not a package)
+from soak import _free_port, _pct, _rss_kib, save_llama_with_tokenizer, start_server  # noqa: E402  (benchmarks/ is not a package)
 
 BODY_BYTES = 1 << 20
 
@@ -212,27 +212,12 @@ def main():
         import tempfile
 
         model = tempfile.mkdtemp(prefix="hf_paged-hostile-")
-        _tiny_model(model)
+        save_llama_with_tokenizer(model)
     results = run(model, args.seconds, args.in_flight)
     report(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0 if not verdict(results) else 1
-
-
-def _tiny_model(path: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from hf_paged.defaults.models import load_default_tokenizer
-
-    tok = load_default_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    tok.save_pretrained(path)
 
 
 if __name__ == "__main__":

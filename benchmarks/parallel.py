@@ -38,20 +38,8 @@ import subprocess
 import sys
 import tempfile
 
-
-def build_model(folder: pathlib.Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from hf_paged.defaults.models import load_default_tokenizer
-
-    tok = load_default_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from soak import save_llama_with_tokenizer  # noqa: E402  (benchmarks/ is not a package)
 
 
 def job(model: pathlib.Path, rows: pathlib.Path, out: pathlib.Path, new_tokens: int, tp: int) -> tuple[float, list]:
@@ -107,7 +95,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
         model = tmp / "model"
-        build_model(model)
+        save_llama_with_tokenizer(model, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
         rows = tmp / "rows.jsonl"
         rows.write_text("".join(json.dumps({"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(16, 128)))})
                                 + "\n" for _ in range(args.num_requests)))

@@ -42,6 +42,25 @@ BAD_BODIES = [b'{"model": "m", "prompt": ', b"[1, 2]", b'{"model": "m", "prompt"
               b'{"model": "nope", "prompt": "x"}', b'{"model": "m", "prompt": [999999999]}']
 
 
+def save_llama_with_tokenizer(path, hidden_size: int = 64, intermediate_size: int = 128, num_hidden_layers: int = 2,
+                              num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                              max_position_embeddings: int = 512) -> None:
+    """A random-weight Llama with SmolLM2's tokenizer saved to `path`, as users serve a model folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from hf_paged.defaults.models import load_default_tokenizer
+
+    tok = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, max_position_embeddings=max_position_embeddings,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

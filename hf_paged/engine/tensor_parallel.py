@@ -45,7 +45,7 @@ class TensorParallelGroup:
     group: object
     rank: int
     size: int
-    lost: Exception | None = None  # set by rank 0's executor when a rank is gone
+    lost: Exception | None = None  # rank 0's executor sets it when a rank is gone: nothing more can be broadcast
 
     @property
     def leads(self) -> bool:
@@ -77,18 +77,18 @@ class TensorParallelExecutor(InProcessExecutor):
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup):
         super().__init__(runner)
         self.group = group
-        self.lost: ExecutorLostError | None = None  # set once a rank is gone: every later step fails with it
 
     def _lose(self, exc: Exception) -> ExecutorLostError:
-        self.lost = self.group.lost = ExecutorLostError(
+        """A rank is gone: `group.lost` says so from now on, and every later step fails with it."""
+        self.group.lost = ExecutorLostError(
             f"hf_paged: a tensor-parallel rank is gone ({type(exc).__name__}: {str(exc)[:200]}); this engine cannot "
             "run steps any more: restart it (its server) to serve again")
-        logger.error("%s", self.lost)
-        return self.lost
+        logger.error("%s", self.group.lost)
+        return self.group.lost
 
     def execute(self, step: ExecutorStep) -> torch.Tensor:  # [num logit rows, vocab]
-        if self.lost is not None:
-            raise self.lost
+        if self.group.lost is not None:
+            raise self.group.lost
         try:
             inputs = self.runner.inputs_for(step.chunks, step.copies)
             try:
@@ -146,7 +146,6 @@ class Follower:
             else:
                 raise RuntimeError(f"hf_paged: unknown tensor-parallel message {kind!r}")
 
-
     def serve(self) -> None:
         """Follow rank 0 until its engine shuts down (the worker ranks of `hf-paged serve`): whatever calls it
         makes, and the steps its background loop runs."""
@@ -165,11 +164,6 @@ class Lead:
     def __init__(self, group: TensorParallelGroup):
         self.group = group
         self._depth = 0
-
-    @property
-    def lost(self) -> bool:
-        """Whether a rank is gone (the executor found so): nothing more can be broadcast."""
-        return self.group.lost is not None
 
     @contextlib.contextmanager
     def _call(self):
@@ -240,7 +234,7 @@ class TensorParallelCalls:
 
     def _stop_followers(self) -> None:
         """At shutdown on rank 0: the other ranks stop following (unless one is gone already)."""
-        if self._lead is None or self._lead.lost:
+        if self._lead is None or self._lead.group.lost is not None:
             return
         try:
             self._lead.stop()
