@@ -12,6 +12,13 @@ tokens/s line (generation only, not the load) is what is compared, as medians:
 It checks that both wrote the same tokens for every row, and prints the pool's K/V bytes per token per
 rank from `hf-paged kv-size --tp` beside the model's.
 
+`--dp` also serves `benchmarks/serve_load.py`'s workload (`--dp-requests` requests, half streamed, greedy,
+`--dp-clients` concurrent clients) on the embedded SmolLM2-135M with `hf-paged serve` (DP 1: one engine
+in the server's process, all cores) and `hf-paged serve --data-parallel-size 2` (two replica processes,
+one core each, behind the same HTTP front, routed by prefix affinity then load), alternated
+`--repeats` times: requests/s medians, the prefix-cache hits each reported, and whether every greedy
+text is the same.
+
 `--smollm2-tp3` also runs the parity check of `tests/parallel/tp_worker.py` on the embedded SmolLM2-135M
 (9 heads, 3 KV heads) at TP 3 under torchrun (about a minute on 2 cores, too slow for the suite):
 `Engine.generate` and drop-in `generate`, greedy and seeded, with and without preemption, on every rank
@@ -22,7 +29,11 @@ layer per step over loopback TCP: it is expected to be slower than TP 1 with bot
 parallelism is for a model that does not fit one device, or for more memory bandwidth across devices;
 GPU figures are printed only where a GPU is.
 
-    python benchmarks/parallel.py [--num-requests 32] [--new-tokens 32] [--repeats 3] [--smollm2-tp3]
+On 2 cores DP 2 cannot add compute either: each replica gets one core where DP 1's engine had two,
+and the front (HTTP, tokenising, routing) takes its share of the same cores. Data parallelism is for
+more devices than one replica uses.
+
+    python benchmarks/parallel.py [--num-requests 32] [--new-tokens 32] [--repeats 3] [--smollm2-tp3] [--dp]
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from soak import save_llama_with_tokenizer  # noqa: E402  (benchmarks/ is not a package)
@@ -55,6 +67,63 @@ def job(model: pathlib.Path, rows: pathlib.Path, out: pathlib.Path, new_tokens: 
     tokens, seconds = map(float, re.search(r"(\d+) tokens in ([\d.]+) s", line).groups())
     written = sorted((r["index"], r["token_ids"]) for r in map(json.loads, out.read_text().splitlines()))
     return tokens / seconds, written
+
+
+def serve_run(folder: str, dp: int, reqs: list[dict], clients: int, max_tokens: int) -> dict:
+    """`serve_load`'s client load against `hf-paged serve` (with `--data-parallel-size dp` when dp > 1)."""
+    import httpx
+    import signal
+
+    from serve_load import run_load
+    from soak import _free_port, start_server
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "hf_paged.cli", "serve", folder, "--served-model-name", "m", "--port", str(port),
+           "--max-num-seqs", str(clients), "--max-waiting", str(4 * clients)]
+    if dp > 1:
+        cmd += ["--data-parallel-size", str(dp)]
+    env = {k: v for k, v in os.environ.items() if k != "HF_PAGED_API_KEY"}
+    proc = start_server(cmd, url, env, timeout=300)
+    try:
+        result = run_load(url, "m", reqs, clients, max_tokens)
+        time.sleep(0.5)  # replicas report their counters with their heartbeats
+        metrics = httpx.get(url + "/metrics", timeout=30).text
+        result["prefix_hits"] = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                                    if line.startswith("vllm:prefix_cache_hits"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return result
+
+
+def data_parallel(args) -> None:
+    from serve_load import requests_for
+
+    from hf_paged.defaults.models import ensure_default_checkpoint
+
+    folder = str(ensure_default_checkpoint())
+    reqs = requests_for(args.dp_requests, 0)
+    rates, hits, texts, errors = {1: [], 2: []}, {1: [], 2: []}, {}, {1: 0, 2: 0}
+    for _ in range(args.repeats):
+        for dp in (1, 2):  # alternated
+            r = serve_run(folder, dp, reqs, args.dp_clients, args.dp_max_tokens)
+            rates[dp].append(len(r["texts"]) / r["seconds"])
+            hits[dp].append(r["prefix_hits"])
+            texts[dp] = r["texts"]
+            errors[dp] += len(r["errors"])
+    med = {dp: statistics.median(v) for dp, v in rates.items()}
+    print(f"serve workload on SmolLM2-135M: {args.dp_requests} requests (half streamed, greedy, max_tokens "
+          f"{args.dp_max_tokens}) from {args.dp_clients} clients, {args.repeats} alternated runs each, "
+          f"{os.cpu_count()} CPU cores")
+    for dp in (1, 2):
+        print(f"  dp{dp}: median {med[dp]:6.2f} requests/s  (runs {', '.join(f'{x:.2f}' for x in rates[dp])}); "
+              f"prefix-cache hit tokens {', '.join(f'{h:,.0f}' for h in hits[dp])}; errors {errors[dp]}")
+    same = sum(texts[1].get(i) == texts[2].get(i) for i in texts[1])
+    print(f"  dp2 / dp1 requests/s: {med[2] / med[1]:.2f}x; greedy texts equal: {same}/{len(texts[1])}")
 
 
 def smollm2_tp3() -> None:
@@ -87,9 +156,18 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smollm2-tp3", action="store_true", help="also check SmolLM2 at TP 3 (about a minute)")
+    parser.add_argument("--dp", action="store_true", help="also serve the serve workload at DP 1 and DP 2")
+    parser.add_argument("--dp-requests", type=int, default=96)
+    parser.add_argument("--dp-clients", type=int, default=16)
+    parser.add_argument("--dp-max-tokens", type=int, default=32)
+    parser.add_argument("--only-dp", action="store_true", help="skip the TP runs")
     args = parser.parse_args()
     if args.smollm2_tp3:
         smollm2_tp3()
+    if args.dp or args.only_dp:
+        data_parallel(args)
+    if args.only_dp:
+        return
     rng = random.Random(0)
     words = "the of and a to in is was he for it with as his on be at by had are but from or have an".split()
     with tempfile.TemporaryDirectory() as tmp:

@@ -54,7 +54,8 @@ class AsyncDisaggregatedEngine:
     def launch(cls, model_factory, *, tokenizer, num_prefill: int, num_decode: int, engine_kwargs: dict | None = None,
                **kwargs) -> "AsyncDisaggregatedEngine":
         """Start the workers (`DisaggregatedEngine(model_factory, num_prefill, num_decode, ...)`) and
-        serve them: what `hf-paged serve --num-prefill P --num-decode D` runs."""
+        serve them: what `hf-paged serve --num-prefill P --num-decode D` runs, and, with no prefill worker,
+        `--data-parallel-size D`."""
         engine_kwargs = {k: v for k, v in (engine_kwargs or {}).items() if v is not None}
         return cls(DisaggregatedEngine(model_factory, num_prefill, num_decode, tokenizer=tokenizer,
                                        engine_kwargs=engine_kwargs, **kwargs))

@@ -47,23 +47,37 @@ class DisaggregatedEngine:
         transfer_timeout: seconds a K/V transfer may take before it is asked for again.
         start_timeout: seconds the workers may take to start (model loading included).
         faults: test hooks per worker name (see `disagg.worker`).
+        prefill_tensor_parallel_size, decode_tensor_parallel_size: ranks per prefill / decode worker
+            (their own sizes: a request's K/V move in pieces, each KV head once, from the prefill rank
+            holding it to the decode rank that needs it). Above 1, `model_factory` must start the
+            ranks: `hf_paged.parallel.TensorParallelReplica(model_path)`.
     """
 
     def __init__(self, model_factory, num_prefill: int = 1, num_decode: int = 2, backend: str | None = None, *,
                  tokenizer=None, engine_kwargs: dict | None = None, device: str = "cpu", num_threads: int | None = None,
                  heartbeat_timeout: float = 10.0, transfer_timeout: float = 10.0, start_timeout: float = 300.0,
-                 faults: dict | None = None):
+                 faults: dict | None = None, prefill_tensor_parallel_size: int = 1,
+                 decode_tensor_parallel_size: int = 1):
         if not isinstance(num_prefill, int) or not isinstance(num_decode, int) or num_prefill < 0 or num_decode < 1:
             raise ValueError(f"need num_prefill >= 0 and num_decode >= 1, got {num_prefill!r} and {num_decode!r}")
         if not callable(model_factory):
             raise TypeError("model_factory must be a picklable callable returning the model (or model, tokenizer)")
+        sizes = (prefill_tensor_parallel_size, decode_tensor_parallel_size)
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in sizes):
+            raise ValueError(f"tensor-parallel sizes must be positive integers, got {sizes}")
+        if max(sizes) > 1 and not getattr(model_factory, "starts_ranks", False):
+            raise TypeError("tensor-parallel workers need a model factory that starts their ranks: "
+                            "hf_paged.parallel.TensorParallelReplica(model_path)")
+        if max(sizes) > 1 and num_prefill == 0:
+            raise ValueError("a data-parallel engine's replicas take their tensor-parallel size from their factory "
+                             "(TensorParallelReplica(model_path, size)), not decode_tensor_parallel_size")
         engine_kwargs = {"block_size": EngineConfig.block_size, "enable_hybrid_kv": False, **(engine_kwargs or {})}
         backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
         self._init(tokenizer)
         self.supervisor = Supervisor.spawn(model_factory, num_prefill, num_decode, backend,
                                            engine_kwargs=engine_kwargs, device=device, num_threads=num_threads,
                                            heartbeat_timeout=heartbeat_timeout, transfer_timeout=transfer_timeout,
-                                           start_timeout=start_timeout, faults=faults)
+                                           start_timeout=start_timeout, faults=faults, tensor_parallel_sizes=sizes)
 
     @classmethod
     def over(cls, supervisor: Supervisor, tokenizer=None) -> "DisaggregatedEngine":
@@ -221,3 +235,29 @@ class DisaggregatedEngine:
                 return owner.get(timeout=0.5)
             except queue.Empty:
                 self.supervisor.check_running()
+
+
+class DataParallelEngine(DisaggregatedEngine):
+    """`data_parallel_size` replicas of the model, each in its own process with its own `Engine`, behind
+    `Engine`'s `generate` / `stream` / `metrics`: each request runs whole on one replica, chosen by
+    prefix-cache affinity, then load (the disaggregated router's policy, `Router.choose_replica`). A
+    replica that dies or hangs has its requests re-run on the others.
+
+    Args:
+        model_factory: as `DisaggregatedEngine`'s; `parallel.TensorParallelReplica` makes every replica
+            tensor-parallel (each starts its own ranks).
+        data_parallel_size: replicas (one process each, plus a tensor-parallel replica's other ranks).
+        tokenizer, engine_kwargs, device, num_threads, heartbeat_timeout, start_timeout, faults: as
+            `DisaggregatedEngine`'s (workers are named "replica0", "replica1", ...).
+
+    Limits: `DisaggregatedEngine`'s (one sample per request, no prompt logprobs).
+    """
+
+    def __init__(self, model_factory, data_parallel_size: int = 2, *, tokenizer=None, engine_kwargs: dict | None = None,
+                 device: str = "cpu", num_threads: int | None = None, heartbeat_timeout: float = 10.0,
+                 start_timeout: float = 300.0, faults: dict | None = None):
+        if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive integer, got {data_parallel_size!r}")
+        super().__init__(model_factory, 0, data_parallel_size, tokenizer=tokenizer, engine_kwargs=engine_kwargs,
+                         device=device, num_threads=num_threads, heartbeat_timeout=heartbeat_timeout,
+                         start_timeout=start_timeout, faults=faults)

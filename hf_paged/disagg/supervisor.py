@@ -84,7 +84,8 @@ class Supervisor:
 
     Args:
         store: the job's `TCPStore` (this process hosts it).
-        num_prefill, num_decode: workers per role.
+        num_prefill, num_decode: workers per role. With no prefill worker the engine is data-parallel:
+            its workers ("replica0", ...) run whole requests, routed by prefix affinity then load.
         block_size: tokens per KV block (the workers' engines use the same).
         heartbeat_timeout: seconds without a heartbeat after which a worker is taken for dead.
     """
@@ -93,9 +94,11 @@ class Supervisor:
         self.block_size = block_size
         self.heartbeat_timeout = heartbeat_timeout
         self.prefill_names = [f"prefill{i}" for i in range(num_prefill)]
-        self.decode_names = [f"decode{j}" for j in range(num_decode)]
+        self.data_parallel = num_prefill == 0
+        self.decode_names = [f"{'replica' if self.data_parallel else 'decode'}{j}" for j in range(num_decode)]
         self.names = self.prefill_names + self.decode_names
-        self.ranks = {name: r for r, name in enumerate(self.names)}
+        self.ranks = {name: r for r, name in enumerate(self.names)}  # each worker's (rank 0's) K/V-group rank
+        self.layout: dict[str, list[int]] = {}  # tensor-parallel workers: every rank of each
         self.router = Router(self.prefill_names, self.decode_names, block_size)
         self.store = store
         self.mailbox = Mailbox(store, ROUTER)
@@ -116,25 +119,36 @@ class Supervisor:
     @classmethod
     def spawn(cls, model_factory, num_prefill: int, num_decode: int, backend: str, *, engine_kwargs: dict,
               device: str, num_threads: int | None, heartbeat_timeout: float, transfer_timeout: float,
-              start_timeout: float, faults: dict | None) -> "Supervisor":
-        """Host the store, start one process per worker, and route once they are all ready."""
+              start_timeout: float, faults: dict | None, tensor_parallel_sizes: tuple[int, int] = (1, 1)
+              ) -> "Supervisor":
+        """Host the store, start one process per worker (a tensor-parallel worker starts its other ranks
+        itself: `tensor_parallel_sizes` per role, prefill then decode), and route once they are all ready."""
         import torch.distributed as dist
 
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self = cls(store, num_prefill, num_decode, engine_kwargs["block_size"], heartbeat_timeout)
-        threads = num_threads or max(1, (os.cpu_count() or 1) // len(self.names))
+        world = len(self.names)
+        if max(tensor_parallel_sizes) > 1:
+            world = 0
+            for name in self.names:
+                size = tensor_parallel_sizes[0 if name in self.prefill_names else 1]
+                self.layout[name] = list(range(world, world + size))
+                world += size
+            self.ranks = {name: ranks[0] for name, ranks in self.layout.items()}
+        threads = num_threads or max(1, (os.cpu_count() or 1) // world)
         ctx = torch.multiprocessing.get_context("spawn")
         procs: dict[str, object] = {}
         for name in self.names:
             worker_device = device
             if str(device) == "cuda" and torch.cuda.is_available():
                 worker_device = f"cuda:{self.ranks[name] % torch.cuda.device_count()}"
-            spec = WorkerSpec(name=name, role="prefill" if name in self.prefill_names else "decode",
-                              rank=self.ranks[name], world_size=len(self.names), host="127.0.0.1",
+            role = "prefill" if name in self.prefill_names else "replica" if self.data_parallel else "decode"
+            spec = WorkerSpec(name=name, role=role,
+                              rank=self.ranks[name], world_size=world, host="127.0.0.1",
                               port=self.store.port, backend=backend, model_factory=model_factory,
                               engine_kwargs=engine_kwargs, num_threads=threads, device=worker_device,
                               transfer_timeout=transfer_timeout, start_timeout=start_timeout,
-                              parent_pid=os.getpid(), faults=(faults or {}).get(name, {}))
+                              parent_pid=os.getpid(), faults=(faults or {}).get(name, {}), layout=self.layout)
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"hf_paged-{name}", daemon=True)
             proc.start()
             procs[name] = proc
@@ -279,6 +293,9 @@ class Supervisor:
         for r in list(self._active.values()):
             if r.stage != "queued":
                 continue
+            if self.data_parallel:
+                progressed |= self._dispatch_whole(r)
+                continue
             decode = self.router.choose_decode()
             if decode is None:
                 self._finish_error(r, RuntimeError("no decode worker is left"))
@@ -299,6 +316,19 @@ class Supervisor:
                                             "decode_rank": self.ranks[decode]})
             progressed = True
         return progressed
+
+    def _dispatch_whole(self, r: Routed) -> bool:
+        """Data parallelism: one replica runs the request whole (prefix affinity, then load)."""
+        replica = self.router.choose_replica(r.prompt)
+        if replica is None:
+            self._finish_error(r, RuntimeError("no replica is left"))
+            return True
+        r.decode, r.prefill, r.pledged, r.stage = replica, None, 0, "local"
+        r.attempt_tokens, r.attempt_text = 0, ""
+        self.router.start_run(replica, r.prompt, r.params.max_new_tokens)
+        self.mailbox.send(replica, {"op": "run", "rid": r.rid, "attempt": r.attempt, "prompt": r.prompt,
+                                    "params": r.params, "stream": r.stream})
+        return True
 
     def _on_message(self, message: dict) -> None:
         op = message["op"]
@@ -368,11 +398,17 @@ class Supervisor:
         self._close_request(r)
         self.counters["errored"] += 1
 
-    def _close_request(self, r: Routed) -> None:
+    def _release(self, r: Routed) -> None:
+        """Undo what routing `r` counted against its workers (pledged blocks, outstanding tokens)."""
         if r.decode is not None:
             self.router.unpledge(r.decode, r.pledged)
+            if self.data_parallel and r.stage == "local":
+                self.router.end_run(r.decode, r.prompt, r.params.max_new_tokens)
         if r.stage == "prefill" and r.prefill is not None:
             self.router.end_prefill(r.prefill, r.prompt)
+
+    def _close_request(self, r: Routed) -> None:
+        self._release(r)
         r.stage = "done"
         self._active.pop(r.rid, None)
 
@@ -419,13 +455,11 @@ class Supervisor:
             proc.kill()
             proc.join(5)
         for other in self.router.alive():
-            self.mailbox.send(other, {"op": "dead", "rank": self.ranks[name]})
+            self.mailbox.send(other, {"op": "dead", "rank": self.ranks[name], "ranks": self.layout.get(name)})
         for r in list(self._active.values()):
             if (r.stage == "prefill" and name in (r.prefill, r.decode)) or (
                     r.stage in ("decode", "local") and r.decode == name):
-                self.router.unpledge(r.decode, r.pledged)
-                if r.stage == "prefill" and r.prefill is not None:
-                    self.router.end_prefill(r.prefill, r.prompt)
+                self._release(r)
                 r.attempt += 1
                 r.stage = "queued"
                 self.counters["reroutes"] += 1

@@ -1,5 +1,11 @@
-"""K/V transfers between workers: one contiguous buffer per request, point to point over the workers'
-torch.distributed process group (gloo on CPU, NCCL on GPU), never one message per block.
+"""K/V transfers between workers: one contiguous buffer per request and pair of ranks, point to point
+over the job's K/V process group (gloo on CPU, NCCL on GPU), never one message per block.
+
+The K/V group is a process group of its own (`kv_group`), not torch.distributed's default group: a
+tensor-parallel worker's default group is its model's (transformers' tensor parallelism), and every
+rank of every worker joins the K/V group. Between workers with their own tensor-parallel sizes, a
+request's K/V move in pieces (`plan_pieces`): each KV head once, from the prefill rank that holds it
+to the decode rank that needs it.
 
 The prefill side posts `isend` and goes on with its next step; the decode side posts `irecv` when
 the request's control message arrives and checks it between steps. A gloo point-to-point work only
@@ -13,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -59,24 +66,86 @@ class Transfer:
         return self.buffer.numel() * self.buffer.element_size()
 
 
-def send(key: tuple, buffer: torch.Tensor, peer: int, tag: int, meta: dict | None = None) -> Transfer:
-    """Post the send of `buffer` (contiguous) to rank `peer`; returns at once."""
+@dataclass
+class Pieces:
+    """The pieces of one request's K/V that one rank receives (each a `Transfer`), with the control
+    message (`meta`) that announced them."""
+
+    key: tuple
+    parts: list  # [(Transfer, dst_heads)]
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def peers(self) -> set[int]:
+        return {t.peer for t, _ in self.parts}
+
+    @property
+    def started(self) -> float:
+        return min((t.started for t, _ in self.parts), default=time.monotonic())
+
+
+def kv_group(backend: str, store, rank: int, world_size: int, timeout: timedelta):
+    """The job's K/V process group (every rank of every worker), apart from the default group. Every
+    member constructs it (it connects them all), after its model is loaded."""
+    store = dist.PrefixStore("hf_paged/kv", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def plan_pieces(num_kv_heads: int, src_ranks: list[int], dst_ranks: list[int]) -> list[dict]:
+    """How a request's K/V move from a worker split over `src_ranks` (K/V-group ranks, TP rank order) to
+    one split over `dst_ranks`: one piece per pair of ranks whose KV heads overlap, each head in exactly
+    one piece. A piece: `src`, `dst`, `heads` ([first, end) of the model's KV heads), and the same heads
+    as each side's pool numbers them (`src_heads`, `dst_heads`)."""
+    p, d = len(src_ranks), len(dst_ranks)
+    if num_kv_heads % p or num_kv_heads % d:
+        raise ValueError(f"{num_kv_heads} KV heads do not split over {p} and {d} tensor-parallel ranks")
+    per_src, per_dst = num_kv_heads // p, num_kv_heads // d
+    pieces = []
+    for i, src in enumerate(src_ranks):
+        for j, dst in enumerate(dst_ranks):
+            lo, hi = max(i * per_src, j * per_dst), min((i + 1) * per_src, (j + 1) * per_dst)
+            if lo < hi:
+                pieces.append({"src": src, "dst": dst, "heads": (lo, hi), "src_heads": (lo - i * per_src, hi - i * per_src),
+                               "dst_heads": (lo - j * per_dst, hi - j * per_dst)})
+    return pieces
+
+
+def send(key: tuple, buffer: torch.Tensor, peer: int, tag: int, group, meta: dict | None = None) -> Transfer:
+    """Post the send of `buffer` (contiguous) to rank `peer` of `group`; returns at once."""
     buffer = buffer.contiguous()
-    return Transfer(key, peer, tag, buffer, dist.isend(buffer, dst=peer, tag=tag), meta=meta or {}).watch()
+    return Transfer(key, peer, tag, buffer, group.send([buffer], peer, tag), meta=meta or {}).watch()
 
 
-def receive(key: tuple, numel: int, dtype: torch.dtype, device, peer: int, tag: int,
+def receive(key: tuple, numel: int, dtype: torch.dtype, device, peer: int, tag: int, group,
             meta: dict | None = None) -> Transfer:
-    """Post the receive of `numel` elements from rank `peer` into a new buffer; returns at once."""
+    """Post the receive of `numel` elements from rank `peer` of `group` into a new buffer; returns at once."""
     buffer = torch.empty(numel, dtype=dtype, device=device)
-    return Transfer(key, peer, tag, buffer, dist.irecv(buffer, src=peer, tag=tag), meta=meta or {}).watch()
+    return Transfer(key, peer, tag, buffer, group.recv([buffer], peer, tag), meta=meta or {}).watch()
 
 
-def state(transfer: Transfer, timeout: float) -> str:
-    """"done", "pending", "failed" (the backend reported an error) or "timeout"."""
+def state(transfer: Transfer | Pieces, timeout: float) -> str:
+    """"done", "pending", "failed" (the backend reported an error) or "timeout"; pieces are done when
+    every one is, failed when one failed."""
+    if isinstance(transfer, Pieces):
+        states = [state(t, timeout) for t, _ in transfer.parts]
+        for worst in ("failed", "timeout", "pending"):
+            if worst in states:
+                return worst
+        return "done"
     if transfer.finished.is_set():
         return "failed" if transfer.error is not None else "done"
     return "timeout" if time.monotonic() - transfer.started > timeout else "pending"
+
+
+def wait_all(pieces: Pieces, timeout: float) -> bool:
+    """Block until every piece is in (True) or one failed or `timeout` seconds passed (False)."""
+    deadline = time.monotonic() + timeout
+    for t, _ in pieces.parts:
+        if not t.finished.wait(max(0.0, deadline - time.monotonic())) or t.error is not None:
+            return False
+    return True
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -15,6 +15,19 @@ token (`resume_tokens`). A transfer that fails or times out is asked for once mo
 too, the request is recomputed here from its prompt. A decode worker also runs whole requests
 ("run") when no prefill worker is left.
 
+Tensor-parallel workers (`WorkerSpec.layout` gives a worker several ranks): the worker's process is
+rank 0 of its model and starts the others (its factory, `parallel.TensorParallelReplica`, runs them as
+`disagg.rank`). Every rank joins the K/V group, and each request's K/V move in pieces
+(`transfer.plan_pieces`): rank 0 decides, and tells its other ranks over the model's TP group
+(`Engine.tell_ranks`) to send their heads ("kv_out"), to post their receives ("kv_recv"), to write
+what arrived into the blocks rank 0 reserved ("kv_write", committed only if every rank wrote:
+`Engine.all_ranks_ok`), or to drop it ("kv_drop"). A transfer in several pieces is not sent again:
+the decode worker recomputes the request instead.
+
+Replica role (a data-parallel engine): whole requests only. A replica moves no K/V, so it joins no
+K/V process group, and its model may itself be tensor-parallel (its factory starts the other
+ranks, `parallel.TensorParallelReplica`: the replica's process is their rank 0).
+
 Test hooks (`WorkerSpec.faults`): `drop_transfers=k` skips the first k sends of the first request
 transferred (its control messages still go: k=1 is made good by the retry, k=2 makes the decode
 worker recompute it), `freeze_on_request=True` lets a "freeze" message stop the loop for good
@@ -54,8 +67,8 @@ class WorkerSpec:
     """Everything a worker process needs (picklable: it crosses the spawn)."""
 
     name: str
-    role: str  # "prefill" or "decode"
-    rank: int  # in the workers' K/V process group
+    role: str  # "prefill", "decode" or "replica"
+    rank: int  # in the workers' K/V process group (a tensor-parallel worker's rank 0)
     world_size: int
     host: str
     port: int
@@ -69,6 +82,14 @@ class WorkerSpec:
     start_timeout: float = 300.0
     parent_pid: int | None = None  # exit when this process is gone (no orphans)
     faults: dict = field(default_factory=dict)
+    layout: dict = field(default_factory=dict)  # worker name -> its K/V-group ranks, TP rank order (empty: one each)
+
+    def ranks_of(self, name: str) -> list[int]:
+        return list(self.layout.get(name, ()))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return max(1, len(self.layout.get(self.name, ())))
 
 
 def main(spec: WorkerSpec) -> None:
@@ -81,17 +102,22 @@ def main(spec: WorkerSpec) -> None:
 
         store = dist.TCPStore(spec.host, spec.port, is_master=False, timeout=timedelta(seconds=spec.start_timeout))
         mailbox = Mailbox(store, spec.name)
-        dist.init_process_group(spec.backend, store=dist.PrefixStore("hf_paged/kv", store), rank=spec.rank,
-                                world_size=spec.world_size, timeout=timedelta(seconds=spec.start_timeout))
-        built = spec.model_factory()
+        moves_kv = spec.role != "replica"
+        built = _build(spec)
         model, tokenizer = built if isinstance(built, tuple) else (built, None)
         model = model.to(spec.device).eval()
         engine = Engine(model, tokenizer, show_progress=False, **spec.engine_kwargs)
+        kv_group = None
+        if moves_kv:  # every rank of every worker joins it, each after loading its model
+            kv_group = transfer.kv_group(spec.backend, store, spec.rank, spec.world_size,
+                                         timedelta(seconds=spec.start_timeout))
         engine.generate([[0, 1]], SamplingParams(max_new_tokens=1))  # allocates every layer's K/V tensors
         engine.reset_prefix_cache()
         engine.reset_metrics()
-        engine.check_kv_transferable()
-        Worker(spec, engine, mailbox).run()
+        if moves_kv:
+            engine.check_kv_transferable()
+        Worker(spec, engine, mailbox, kv_group).run()
+        engine.shutdown(drain=False)  # a tensor-parallel replica's other ranks stop following
     except Exception as exc:  # noqa: BLE001 - report, then exit: the router re-routes this worker's requests
         traceback.print_exc()
         if mailbox is not None:
@@ -106,13 +132,34 @@ def main(spec: WorkerSpec) -> None:
         os._exit(code)  # never block on a process group whose peers may be dead
 
 
+def _build(spec: WorkerSpec):
+    """The worker's model: a factory that starts ranks of its own (`parallel.TensorParallelReplica`)
+    builds their engines with this worker's settings, at this worker's tensor-parallel size, with
+    `disagg.rank` running each (it joins the K/V group at its rank)."""
+    factory = spec.model_factory
+    if not getattr(factory, "starts_ranks", False):
+        if spec.tensor_parallel_size > 1:
+            raise ValueError("a tensor-parallel disaggregated worker needs a model factory that starts its ranks "
+                             "(hf_paged.parallel.TensorParallelReplica)")
+        return factory()
+    if spec.role == "replica":  # a data-parallel replica: the factory's own tensor-parallel size
+        return factory(engine_kwargs=spec.engine_kwargs)
+    settings = {"kv": {"host": spec.host, "port": spec.port, "backend": spec.backend, "world": spec.world_size,
+                       "ranks": spec.ranks_of(spec.name) or [spec.rank], "timeout": spec.start_timeout,
+                       "transfer_timeout": spec.transfer_timeout, "num_threads": spec.num_threads}}
+    return factory(engine_kwargs=spec.engine_kwargs, tensor_parallel_size=spec.tensor_parallel_size,
+                   rank_module="hf_paged.disagg.rank", rank_settings=settings)
+
+
 class Worker:
-    def __init__(self, spec: WorkerSpec, engine: Engine, mailbox: Mailbox):
+    def __init__(self, spec: WorkerSpec, engine: Engine, mailbox: Mailbox, kv_group=None):
         self.spec, self.engine, self.mailbox = spec, engine, mailbox
+        self.kv_group = kv_group
         self.inbox = Inbox(wants_tokens=True)
         self.requests: dict[str, dict] = {}  # engine request id -> its routing message
         self.sends: dict[tuple, transfer.Transfer] = {}  # prefill: K/V buffers until acknowledged
-        self.recvs: dict[tuple, transfer.Transfer] = {}  # decode: K/V on the way in
+        self.piece_sends: dict[tuple, list] = {}  # prefill: rank 0's pieces of a split transfer, until acknowledged
+        self.recvs: dict[tuple, transfer.Pieces] = {}  # decode: rank 0's pieces of K/V on the way in
         self.resend_deadline: dict[tuple, tuple[float, dict]] = {}  # decode: asked again, waiting
         self.dead_ranks: set[int] = set()
         self.next_tag = 1
@@ -147,6 +194,9 @@ class Worker:
                     with pulse:
                         time.sleep(self.slow_step_seconds)
                         self.engine.step()
+                    lost = self.engine.tensor_parallel.lost if self.engine.tensor_parallel is not None else None
+                    if lost is not None:  # a rank of this worker is gone: exit, so the router re-runs its requests
+                        raise lost
                     last_beat = 0.0 if pulse.beat_during_step else last_beat  # a fresh status next
                     busy = True
                 busy |= self.deliver()
@@ -178,6 +228,7 @@ class Worker:
             self.receive(message)
         elif op == "got":
             self.sends.pop(message["key"], None)
+            self.piece_sends.pop(message["key"], None)
         elif op == "resend":
             self.resend(message)
         elif op == "lost":
@@ -188,7 +239,8 @@ class Worker:
                     self.engine.abort(rid)
                     self.requests.pop(rid, None)
         elif op == "dead":
-            self.peer_died(message["rank"])
+            for rank in message.get("ranks") or [message["rank"]]:
+                self.peer_died(rank)
         elif op == "freeze" and self.spec.faults.get("freeze_on_request"):
             while True:  # a hung worker: no heartbeat, no answer, until killed
                 time.sleep(3600)
@@ -251,22 +303,49 @@ class Worker:
             self.mailbox.send(ROUTER, {"op": op, "rid": routed["rid"], "attempt": routed["attempt"], "output": final,
                                        "error": final.error})
             return
-        seq = seqs[0]
-        buffer = self.engine.export_kv(seq)
-        self.engine.free_kv(seqs)  # its full blocks stay in the prefix cache for later prompts
+        pieces = self._pieces_to(routed["decode"], routed["decode_rank"])
+        slots = self.engine.kv_token_slots(seqs[0])
+        try:
+            for piece in pieces:
+                piece["tag"] = self.next_tag
+                piece["numel"] = len(slots) * self._numel_per_head_token() * (piece["heads"][1] - piece["heads"][0])
+                self.next_tag += 1
+            self.engine.tell_ranks("kv_out", {"key": key, "slots": slots, "pieces": pieces})  # the others' heads
+            own = [(piece, self.engine.gather_kv(slots, piece["src_heads"])) for piece in pieces
+                   if piece["src"] == self.spec.rank]
+        finally:
+            self.engine.free_kv(seqs)  # its full blocks stay in the prefix cache for later prompts
         sample = final.outputs[0]
         kv = {"op": "kv", "key": key, "rid": routed["rid"], "attempt": routed["attempt"], "prompt": routed["prompt"],
               "params": params, "stream": routed.get("stream", False), "first": list(sample.token_ids),
               "first_logprobs": sample.logprobs, "src": self.spec.rank, "src_name": self.spec.name,
-              "numel": buffer.numel(), "dtype": transfer.dtype_name(buffer.dtype), "retry": 0}
-        self._post_send(key, buffer, routed["decode_rank"], routed["decode"], kv)
+              "pieces": pieces, "dtype": transfer.dtype_name(self._kv_dtype()), "retry": 0}
+        if len(pieces) == 1:  # rank 0 to rank 0: kept until acknowledged, sent again if asked
+            self._post_send(key, own[0][1], routed["decode_rank"], routed["decode"], kv)
+        else:
+            self.mailbox.send(routed["decode"], {**kv, "sent_at": time.time()})
+            self.piece_sends[key] = [transfer.send(key, buffer, piece["dst"], piece["tag"], self.kv_group)
+                                     for piece, buffer in own]
+            self.num_sent_tensors += len(own)
         self.mailbox.send(ROUTER, {"op": "first", "rid": routed["rid"], "attempt": routed["attempt"],
                                    "token_ids": list(sample.token_ids), "text": sample.text})
+
+    def _pieces_to(self, decode: str, decode_rank: int) -> list[dict]:
+        """The pieces a request's K/V move in, from this worker's ranks to the decode worker's."""
+        src = self.spec.ranks_of(self.spec.name) or [self.spec.rank]
+        dst = self.spec.ranks_of(decode) or [decode_rank]
+        info = self.engine.kv_transfer_info()
+        return transfer.plan_pieces(info["kv_heads"] * len(src), src, dst)
+
+    def _numel_per_head_token(self) -> int:
+        info = self.engine.kv_transfer_info()
+        return info["kv_numel_per_token"] // info["kv_heads"]
 
     def _post_send(self, key: tuple, buffer: torch.Tensor, peer: int, peer_name: str, kv: dict) -> None:
         tag = self.next_tag
         self.next_tag += 1
         kv = {**kv, "tag": tag, "sent_at": time.time()}
+        kv["pieces"] = [{**kv["pieces"][0], "tag": tag}]
         # The message goes first: the peer posts its receive when it reads it, and NCCL sets up a pair's
         # communicator lazily at its first send, which blocks until the receiver joins.
         self.mailbox.send(peer_name, kv)
@@ -275,7 +354,7 @@ class Worker:
             self.drop_key = key
             self.sends[key] = transfer.Transfer(key, peer, tag, buffer, _NeverDone(), meta=kv)
         else:
-            self.sends[key] = transfer.send(key, buffer, peer, tag, meta=kv)
+            self.sends[key] = transfer.send(key, buffer, peer, tag, self.kv_group, meta=kv)
             self.num_sent_tensors += 1
         self.sends[key].meta["peer_name"] = peer_name
 
@@ -292,17 +371,27 @@ class Worker:
         self.dead_ranks.add(rank)
         for key in [k for k, t in self.sends.items() if t.peer == rank]:
             del self.sends[key]
-        for key in [k for k, t in self.recvs.items() if t.peer == rank]:
+        for key in [k for k, sent in self.piece_sends.items() if any(t.peer == rank for t in sent)]:
+            del self.piece_sends[key]
+        for key in [k for k, t in self.recvs.items() if rank in t.meta["src_ranks"]]:
             self.recompute(key)
         for key in [k for k, (_, m) in self.resend_deadline.items() if m["src"] == rank]:
             self.recompute(key)
 
     # ------------------------------------------------------------------ decode side
     def receive(self, kv: dict) -> None:
+        """Post this rank's receives of a request's K/V pieces, and have the other ranks post theirs."""
         key = kv["key"]
         self.resend_deadline.pop(key, None)
-        self.recvs[key] = transfer.receive(key, kv["numel"], transfer.dtype_of(kv["dtype"]), self.engine.device,
-                                           kv["src"], kv["tag"], meta=kv)
+        dtype = transfer.dtype_of(kv["dtype"])
+        mine = [p for p in kv["pieces"] if p["dst"] == self.spec.rank]
+        if len(mine) < len(kv["pieces"]):
+            self.engine.tell_ranks("kv_recv", {"key": key, "dtype": kv["dtype"],
+                                               "pieces": [p for p in kv["pieces"] if p["dst"] != self.spec.rank]})
+        parts = [(transfer.receive(key, p["numel"], dtype, self.engine.device, p["src"], p["tag"], self.kv_group),
+                  p["dst_heads"]) for p in mine]
+        meta = {**kv, "src_ranks": {p["src"] for p in kv["pieces"]}}
+        self.recvs[key] = transfer.Pieces(key, parts, meta=meta)
 
     def poll_transfers(self) -> bool:
         progressed = False
@@ -317,7 +406,7 @@ class Worker:
             if state == "done":
                 self.mailbox.send(kv["src_name"], {"op": "got", "key": key})
                 self.resume(kv, t)
-            elif kv["retry"] == 0 and kv["src"] not in self.dead_ranks:  # once more, then recompute
+            elif kv["retry"] == 0 and len(kv["pieces"]) == 1 and kv["src"] not in self.dead_ranks:  # once more
                 self.mailbox.send(kv["src_name"], {"op": "resend", "key": key, "from": self.spec.name})
                 self.resend_deadline[key] = (time.monotonic() + timeout, kv)
             else:
@@ -330,22 +419,44 @@ class Worker:
         for key, t in list(self.sends.items()):  # unacknowledged sends are dropped after long enough
             if time.monotonic() - t.started > 4 * timeout:
                 del self.sends[key]
+        for key, sent in list(self.piece_sends.items()):
+            if all(t.finished.is_set() for t in sent) or time.monotonic() - sent[0].started > 4 * timeout:
+                del self.piece_sends[key]
         return progressed
 
-    def resume(self, kv: dict, t: transfer.Transfer) -> None:
-        """The K/V are in: store them in this engine's blocks and continue after the first token."""
+    def resume(self, kv: dict, t: transfer.Pieces) -> None:
+        """Every piece of this rank is in: every rank stores its heads in the blocks rank 0 reserves, and
+        the request continues after the first token (or, if a rank could not, is recomputed here)."""
+        nbytes = sum(p["numel"] for p in kv["pieces"]) * transfer.dtype_of(kv["dtype"]).itemsize
         routed = {"rid": kv["rid"], "attempt": kv["attempt"], "prompt": kv["prompt"], "params": kv["params"],
                   "stream": kv["stream"], "role": "decode", "first_logprobs": kv["first_logprobs"],
-                  "transfer": {"src": kv["src_name"], "bytes": t.nbytes, "seconds": max(time.time() - kv["sent_at"],
-                                                                                      1e-9)}}
+                  "transfer": {"src": kv["src_name"], "bytes": nbytes, "seconds": max(time.time() - kv["sent_at"],
+                                                                                    1e-9)}}
         rid = _engine_id(routed)
         try:
-            seq = self.engine.import_kv(kv["prompt"], t.buffer)
+            reserved = self.engine.reserve_kv_import(kv["prompt"])
         except Exception as exc:  # noqa: BLE001 - no room (a fixed pool) or a bad buffer: recompute here
             logger.warning("hf_paged: %s could not store the K/V of %r (%r); recomputing it", self.spec.name,
                            kv["rid"], exc)
             self.recompute(kv["key"], kv)
             return
+        split = len(t.parts) < len(kv["pieces"])  # other ranks hold pieces too
+        if split:
+            self.engine.tell_ranks("kv_write", {"key": kv["key"], "slots": reserved.slots})
+        ok = True
+        try:
+            for piece, heads in t.parts:
+                self.engine.write_kv(reserved.slots, piece.buffer, heads)
+        except Exception as exc:  # noqa: BLE001 - a bad buffer: recompute (every rank learns it below)
+            logger.warning("hf_paged: %s could not write the K/V of %r (%r)", self.spec.name, kv["rid"], exc)
+            ok = False
+        if split:
+            ok = self.engine.all_ranks_ok(ok)
+        if not ok:
+            self.engine.cancel_kv_import(reserved)
+            self.recompute(kv["key"], kv, told=True)
+            return
+        seq = self.engine.commit_kv_import(reserved)
         try:
             self.engine.add_owned_request(kv["prompt"], kv["params"], rid, self.inbox, streamed=kv["stream"],
                                           kv_prefix=seq, resume_tokens=kv["first"])
@@ -355,13 +466,16 @@ class Worker:
             return
         self.requests[rid] = routed
 
-    def recompute(self, key: tuple, kv: dict | None = None) -> None:
-        """Run the request whole here, from its prompt (a transfer that could not be had)."""
+    def recompute(self, key: tuple, kv: dict | None = None, told: bool = False) -> None:
+        """Run the request whole here, from its prompt (a transfer that could not be had); the other
+        ranks drop what they received of it (unless `told`: they took part in a failed write)."""
         pending = self.recvs.pop(key, None)
         waiting = self.resend_deadline.pop(key, None)
         kv = kv or (pending.meta if pending is not None else waiting[1] if waiting is not None else None)
         if kv is None:
             return
+        if not told and any(p["dst"] != self.spec.rank for p in kv["pieces"]):
+            self.engine.tell_ranks("kv_drop", {"key": key})
         self.mailbox.send(ROUTER, {"op": "recomputed", "rid": kv["rid"], "attempt": kv["attempt"]})
         self.start({"rid": kv["rid"], "attempt": kv["attempt"], "prompt": kv["prompt"], "params": kv["params"],
                     "stream": kv["stream"]}, prefill=False)

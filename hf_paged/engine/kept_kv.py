@@ -75,6 +75,41 @@ class KeptKVAPI:
             self.core.note_weights()  # salted with the current weights epoch, as a request admitted now would be
             return self.kv.import_tokens(list(token_ids), kv)
 
+    # The same in parts, for a tensor-parallel engine: rank 0 keeps the books (`kv_token_slots`,
+    # `reserve_kv_import`, `commit_kv_import`), every rank moves its own KV heads (`gather_kv`, `write_kv`).
+    def kv_token_slots(self, seq: KVSequence) -> list[int]:
+        """The pool slot of every token of a kept sequence."""
+        with self._lock:
+            return self.kv.token_slots(seq)
+
+    def gather_kv(self, slots: list[int], heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """A transfer buffer of this rank's K/V at `slots`, for its local KV heads `heads` ([first, end))."""
+        return self.kv.gather(slots, heads)
+
+    def reserve_kv_import(self, token_ids: SequenceABC[int]):
+        """Blocks for an import, written by every rank (`write_kv`) before `commit_kv_import`.
+
+        Raises:
+            NoFreeBlocksError: a fixed pool without room; ValueError: a cache that cannot move K/V.
+        """
+        with self._lock:
+            self._check_open()
+            self.core.note_weights()
+            return self.kv.reserve_import(list(token_ids))
+
+    def write_kv(self, slots: list[int], kv: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
+        """Store a transfer buffer of this rank's KV heads `heads` at `slots` (-1: already cached)."""
+        self.kv.write_transfer(slots, kv, heads)
+
+    def commit_kv_import(self, reserved) -> KVSequence:
+        """Publish a reserved import's blocks and keep its sequence (as `import_kv` returns it)."""
+        with self._lock:
+            return self.kv.commit_import(reserved)
+
+    def cancel_kv_import(self, reserved) -> None:
+        with self._lock:
+            self.kv.cancel_import(reserved)
+
     def check_kv_transferable(self) -> None:
         """Raise ValueError unless this engine's K/V can move to another engine token by token
         (`export_kv` / `import_kv`: one KV group, unquantised, every layer's tensors allocated)."""

@@ -16,6 +16,9 @@ The messages rank 0 broadcasts over the model's TP group, in order:
     ("done", result)       the call every rank made returns `result` on every rank
     ("error", exception)   the call every rank made raises `exception` on every rank
     ("stop", None)         rank 0's engine shut down: a rank that serves (`Follower.serve`) returns
+    (kind, payload)        any other kind: a message of the code driving the engine (`tell_ranks`), run on
+                           each rank by the handler it registered (`on_rank_message`), in order with the
+                           steps (a disaggregated worker's ranks move their own KV heads this way)
 
 A call (`Engine.generate`, drop-in `generate`) is made on every rank with the same arguments, as
 everything under `torchrun` is. On rank 0 it runs the engine, whose executor broadcasts each step; on
@@ -118,12 +121,16 @@ def _is_distributed_failure(exc: BaseException) -> bool:
             or "NCCL" in text or "Timed out" in text)
 
 
+RESERVED_KINDS = frozenset({"step", "done", "error", "stop"})
+
+
 class Follower:
     """A rank other than 0: runs rank 0's steps on its shard until the call's result arrives."""
 
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup):
         self.runner = runner
         self.group = group
+        self.handlers: dict = {}  # kind -> handler(payload), for `tell_ranks`' messages
 
     def follow(self):
         """Run steps until rank 0 ends the call; return its result (or raise its exception)."""
@@ -143,6 +150,8 @@ class Follower:
                 raise payload
             elif kind == "stop":
                 raise FollowerStopped
+            elif kind in self.handlers:
+                self.handlers[kind](payload)
             else:
                 raise RuntimeError(f"hf_paged: unknown tensor-parallel message {kind!r}")
 
@@ -209,6 +218,7 @@ class TensorParallelCalls:
 
     _lead: Lead | None
     _follower: Follower | None
+    tensor_parallel: TensorParallelGroup | None
 
     def run_on_every_rank(self, fn):
         """`fn()`, for a call every rank of a tensor-parallel model makes with the same arguments: rank 0
@@ -231,6 +241,55 @@ class TensorParallelCalls:
         if self._follower is None:
             raise RuntimeError("serve_as_follower() is for the tensor-parallel ranks other than 0")
         self._follower.serve()
+
+    # Messages of the code that drives a tensor-parallel engine (a disaggregated worker) to every rank.
+    def tell_ranks(self, kind: str, payload=None) -> None:
+        """On rank 0: run `payload` through the handler every other rank registered for `kind`
+        (`on_rank_message`), in order with the steps. Without tensor parallelism, nothing.
+
+        Raises:
+            ExecutorLostError: a rank is gone (this engine can run no more steps either).
+        """
+        if self._lead is None:
+            return
+        if kind in RESERVED_KINDS:
+            raise ValueError(f"{kind!r} is the engine's own tensor-parallel message")
+        group = self._lead.group
+        if group.lost is not None:
+            raise group.lost
+        try:
+            group.broadcast((kind, payload))
+        except Exception as exc:
+            group.lost = ExecutorLostError(f"hf_paged: a tensor-parallel rank is gone ({type(exc).__name__}: "
+                                           f"{str(exc)[:200]}); restart this engine")
+            raise group.lost from exc
+
+    def on_rank_message(self, kind: str, handler) -> None:
+        """On a rank other than 0: `handler(payload)` runs each `tell_ranks(kind, payload)` of rank 0."""
+        if self._follower is None:
+            raise RuntimeError("on_rank_message() is for the tensor-parallel ranks other than 0")
+        if kind in RESERVED_KINDS:
+            raise ValueError(f"{kind!r} is the engine's own tensor-parallel message")
+        self._follower.handlers[kind] = handler
+
+    def all_ranks_ok(self, ok: bool) -> bool:
+        """Whether `ok` holds on every rank: rank 0 calls it after a `tell_ranks`, each other rank from
+        that message's handler (one all-reduce over the TP group). Without tensor parallelism, `ok`."""
+        group = self._lead.group if self._lead is not None else self._follower.group if self._follower else None
+        if group is None:
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.group)
+        return bool(flag.item())
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """This process's rank in the model's TP group (0 without tensor parallelism)."""
+        return 0 if self.tensor_parallel is None else self.tensor_parallel.rank
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.tensor_parallel is None else self.tensor_parallel.size
 
     def _stop_followers(self) -> None:
         """At shutdown on rank 0: the other ranks stop following (unless one is gone already)."""

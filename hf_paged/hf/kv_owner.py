@@ -457,6 +457,35 @@ class KVOwner:
         self._held[seq.seq_id] = seq
         return seq
 
+    # A tensor-parallel engine moves K/V in parts: rank 0 keeps the books, every rank moves its own heads.
+    def token_slots(self, seq: KVSequence) -> list[int]:
+        """The pool slot of every token of a kept sequence (rank 0 tells the other ranks where to gather)."""
+        if not self.holds(seq):
+            raise ValueError("export_kv takes a sequence this engine keeps (kept_kv)")
+        return kv_transfer.token_slots(self, seq)
+
+    def gather(self, slots: list[int], heads: kv_transfer.Heads = None) -> torch.Tensor:
+        """A transfer buffer of the K/V at `slots`, for this pool's KV heads `heads` ([first, end), or all)."""
+        return kv_transfer.gather(self, slots, heads)
+
+    def reserve_import(self, token_ids: list[int]) -> kv_transfer.Reserved:
+        """Blocks for `token_ids`, not yet written nor published (`write_transfer`, then `commit_import`, or
+        `cancel_import`)."""
+        return kv_transfer.reserve(self, token_ids)
+
+    def write_transfer(self, slots: list[int], buffer: torch.Tensor, heads: kv_transfer.Heads = None) -> None:
+        """Store a transfer buffer (for heads `heads`) at `slots` (-1: already cached, skipped)."""
+        kv_transfer.write(self, slots, buffer, heads)
+
+    def commit_import(self, reserved: kv_transfer.Reserved) -> KVSequence:
+        """Publish a reserved import in the prefix cache and keep its sequence (every rank wrote)."""
+        seq = kv_transfer.commit(self, reserved)
+        self._held[seq.seq_id] = seq
+        return seq
+
+    def cancel_import(self, reserved: kv_transfer.Reserved) -> None:
+        self.manager.free(reserved.seq)
+
     def evict_kept(self) -> bool:
         """Free every kept sequence (their owners recompute on use); returns whether any was held."""
         held, self._held = list(self._held.values()), {}
@@ -477,4 +506,5 @@ class KVOwner:
         """What a disaggregated peer must agree on before K/V move between two engines."""
         return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks + self.num_cached_blocks,
                 "block_size": self.block_size, "kv_numel_per_token": self.kv_numel_per_token(),
-                "kv_dtype": self.stored_dtype}
+                "kv_dtype": self.stored_dtype,
+                "kv_heads": self.slot_owners()[0].keys.shape[2] if self.slot_owners() else None}

@@ -1,15 +1,32 @@
 """Moving a kept sequence's K/V between two engines serving the same model (disaggregated prefill).
 
 A transfer buffer is flat and contiguous, in the pool's dtype: per storage slot in slot order, the
-slot's K (`[num_tokens, num_kv_heads, head_dim]`) then its V. `KVOwner.export` and
-`KVOwner.import_tokens` are the public calls; this module holds their bodies.
+slot's K (`[num_tokens, num_heads, head_dim]`) then its V, for the pool's KV heads or a range of them
+(`heads`, local indices: a tensor-parallel rank holds only its share, and moves each of its heads to
+the rank of the other engine that holds it). `KVOwner.export` and `KVOwner.import_tokens` are the
+public calls for whole buffers; a tensor-parallel engine splits them: rank 0 does the bookkeeping
+(`token_slots`, `reserve`, `commit`) and every rank moves its own heads (`gather`, `write`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..core import KVSequence
+
+Heads = tuple[int, int] | None  # [first, end) of the pool's (local) KV heads; None: all of them
+
+
+@dataclass
+class Reserved:
+    """Blocks taken for an import whose K/V are not written yet (`reserve`): `slots` per token (-1
+    where a prefix-cached block already holds it), the full blocks to publish once every rank wrote."""
+
+    seq: KVSequence
+    slots: list[int]
+    new_full_blocks: list
 
 
 def check_transferable(kv) -> None:  # kv: a KVOwner
@@ -25,15 +42,79 @@ def check_transferable(kv) -> None:  # kv: a KVOwner
         raise ValueError("moving K/V needs every layer's tensors: run one forward (a warm-up) first")
 
 
+def token_slots(kv, seq: KVSequence) -> list[int]:
+    """The pool slot of every token of `seq`, in order (rank 0's bookkeeping; every rank gathers there)."""
+    return _token_slots(seq.block_tables[0], seq.num_tokens, kv.block_size).tolist()
+
+
+def numel(kv, num_tokens: int, heads: Heads = None) -> int:
+    """Elements of a transfer buffer of `num_tokens` tokens (for `heads` only)."""
+    per_token = 0
+    for layer in kv.slot_owners():
+        for tensor in (layer.keys, layer.values):
+            lo, hi = _range(heads, tensor)
+            per_token += (hi - lo) * tensor.shape[-1]
+    return num_tokens * per_token
+
+
+def gather(kv, slots: list[int], heads: Heads = None) -> torch.Tensor:  # [numel(kv, len(slots), heads)]
+    """A copy of the K/V at `slots` (for `heads`) as one transfer buffer."""
+    check_transferable(kv)
+    parts = []
+    for layer in kv.slot_owners():
+        index = torch.tensor(slots, dtype=torch.long, device=layer.keys.device)
+        for tensor in (layer.keys, layer.values):
+            lo, hi = _range(heads, tensor)
+            flat = tensor.view(-1, *tensor.shape[2:])  # [num_blocks * block_size, num_heads, head_dim]
+            parts.append(flat.index_select(0, index)[:, lo:hi].reshape(-1))
+    return torch.cat(parts)
+
+
 def export_tokens(kv, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * kv.kv_numel_per_token()]
     """A copy of the K/V of every token of `seq` as one transfer buffer."""
     check_transferable(kv)
-    index = _token_slots(seq.block_tables[0], seq.num_tokens, kv.block_size)
-    parts = []
+    return gather(kv, token_slots(kv, seq))
+
+
+def reserve(kv, token_ids: list[int]) -> Reserved:
+    """Take blocks for a new sequence holding `token_ids` (shared where the prefix cache holds them);
+    nothing is published in the prefix cache until `commit`. Undo with `kv.manager.free(reserved.seq)`."""
+    check_transferable(kv)
+    seq = kv.new_sequence(for_paged_steps=False)
+    kv.ensure_free_blocks([seq], [token_ids], kv.slot_owners()[0].keys.dtype)
+    result = kv.manager.append_tokens(seq, token_ids, register=False)
+    return Reserved(seq, list(result.group_slots[0]), result.new_full_blocks)
+
+
+def write(kv, slots: list[int], buffer: torch.Tensor, heads: Heads = None) -> None:
+    """Store a transfer buffer's K/V (for `heads`) at `slots`, skipping the -1 ones (already cached).
+
+    Raises:
+        ValueError: `buffer` does not hold exactly `len(slots)` tokens of this layout.
+    """
+    n = len(slots)
+    expected = numel(kv, n, heads)
+    if buffer.dim() != 1 or buffer.numel() != expected:
+        raise ValueError(f"a K/V buffer of {tuple(buffer.shape)} does not hold {n} tokens ({expected} elements)")
+    index = torch.tensor(slots, dtype=torch.long)
+    written = index >= 0
+    offset = 0
     for layer in kv.slot_owners():
         for tensor in (layer.keys, layer.values):
-            parts.append(tensor.view(-1, *tensor.shape[2:]).index_select(0, index.to(tensor.device)).reshape(-1))
-    return torch.cat(parts)
+            lo, hi = _range(heads, tensor)
+            size = n * (hi - lo) * tensor.shape[-1]
+            part = buffer[offset: offset + size].view(n, hi - lo, tensor.shape[-1])
+            offset += size
+            flat = tensor.view(-1, *tensor.shape[2:])
+            with torch.inference_mode(tensor.is_inference()):
+                flat[index[written].to(tensor.device), lo:hi] = part[written.to(part.device)].to(tensor.device,
+                                                                                                tensor.dtype)
+
+
+def commit(kv, reserved: Reserved) -> KVSequence:
+    """Publish the reserved sequence's full blocks in the prefix cache (every rank wrote its K/V)."""
+    kv.manager.commit_full_blocks(reserved.new_full_blocks)
+    return reserved.seq
 
 
 def import_tokens(kv, token_ids: list[int], buffer: torch.Tensor) -> KVSequence:
@@ -44,28 +125,23 @@ def import_tokens(kv, token_ids: list[int], buffer: torch.Tensor) -> KVSequence:
     if buffer.dim() != 1 or buffer.numel() != len(token_ids) * per_token:
         raise ValueError(f"a K/V buffer of {tuple(buffer.shape)} does not hold {len(token_ids)} tokens of "
                          f"{per_token} elements")
-    seq = kv.new_sequence(for_paged_steps=False)
-    owners = kv.slot_owners()
-    kv.ensure_free_blocks([seq], [token_ids], owners[0].keys.dtype)
-    result = kv.manager.append_tokens(seq, token_ids, register=False)
-    slots = torch.tensor(result.group_slots[0], dtype=torch.long)
-    written = slots >= 0  # -1: a block taken from the prefix cache, already holding these K/V
+    reserved = reserve(kv, token_ids)
     try:
-        offset, n = 0, len(token_ids)
-        for layer in owners:
-            for tensor in (layer.keys, layer.values):
-                row = tensor[0, 0].numel()
-                part = buffer[offset: offset + n * row].view(n, *tensor.shape[2:])
-                offset += n * row
-                flat = tensor.view(-1, *tensor.shape[2:])
-                with torch.inference_mode(tensor.is_inference()):
-                    flat[slots[written].to(tensor.device)] = part[written.to(part.device)].to(tensor.device,
-                                                                                           tensor.dtype)
+        write(kv, reserved.slots, buffer)
     except BaseException:
-        kv.manager.free(seq)
+        kv.manager.free(reserved.seq)
         raise
-    kv.manager.commit_full_blocks(result.new_full_blocks)
-    return seq
+    return commit(kv, reserved)
+
+
+def _range(heads: Heads, tensor: torch.Tensor) -> tuple[int, int]:
+    num_heads = tensor.shape[2]
+    if heads is None:
+        return 0, num_heads
+    lo, hi = heads
+    if not 0 <= lo < hi <= num_heads:
+        raise ValueError(f"K/V heads [{lo}, {hi}) are not within this pool's {num_heads}")
+    return lo, hi
 
 
 def _token_slots(table: list[int], num_tokens: int, block_size: int) -> torch.Tensor:  # [num_tokens] long

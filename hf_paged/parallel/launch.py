@@ -24,23 +24,60 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_ranks(model: str, tensor_parallel_size: int, engine_kwargs: dict) -> list[subprocess.Popen]:
+def start_ranks(model: str, tensor_parallel_size: int, engine_kwargs: dict, module: str = "hf_paged.parallel.launch",
+                settings: dict | None = None) -> list[subprocess.Popen]:
     """Make this process rank 0 of `tensor_parallel_size` ranks and start the others; returns their
     processes. Load the model (`ModelFromPath(model, tensor_parallel_size)`) after this: every rank
-    loads at once."""
+    loads at once. Each rank runs `python -m module SPEC` (default: follow rank 0's engine; a
+    disaggregated worker's ranks run `hf_paged.disagg.rank`), SPEC a JSON object with `model`,
+    `tensor_parallel_size`, `engine_kwargs` and `settings`."""
     if tensor_parallel_size < 2:
         raise ValueError(f"tensor_parallel_size must be 2 or more to start ranks, got {tensor_parallel_size}")
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
                   "WORLD_SIZE": str(tensor_parallel_size), "LOCAL_WORLD_SIZE": str(tensor_parallel_size)}
-    spec = json.dumps({"model": model, "tensor_parallel_size": tensor_parallel_size, "engine_kwargs": engine_kwargs})
+    spec = json.dumps({"model": model, "tensor_parallel_size": tensor_parallel_size, "engine_kwargs": engine_kwargs,
+                       "settings": settings or {}})
     procs = []
     for rank in range(1, tensor_parallel_size):
         env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, "-m", "hf_paged.parallel.launch", spec], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-m", module, spec], env=env,
                                       preexec_fn=_die_with_parent))
     os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})
     atexit.register(_kill, procs)  # rank 0 exiting any way but `stop_ranks` (an error at start) leaves none behind
     return procs
+
+
+class TensorParallelReplica:
+    """A picklable model factory for a data-parallel replica that is itself tensor-parallel
+    (`hf-paged serve --data-parallel-size M --tensor-parallel-size N`): called in the replica's worker
+    process, it makes that process rank 0 of `tensor_parallel_size`, starts the other ranks (with the
+    worker's own engine settings, so that every rank builds the same engine) and loads rank 0's shard."""
+
+    starts_ranks = True  # the disaggregated worker passes its engine settings (`disagg.worker.main`)
+
+    def __init__(self, model: str, tensor_parallel_size: int = 2):
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        self.model = model
+        self.tensor_parallel_size = tensor_parallel_size
+
+    def __call__(self, tokenizer_only: bool = False, engine_kwargs: dict | None = None,
+                 tensor_parallel_size: int | None = None, rank_module: str = "hf_paged.parallel.launch",
+                 rank_settings: dict | None = None):
+        """The model (and tokenizer) of rank 0, its other ranks started first. The caller may set the
+        size (a disaggregated worker: its pool's), and what each other rank runs (`start_ranks`)."""
+        from ..model_source import ModelFromPath
+
+        if tokenizer_only:
+            return ModelFromPath(self.model)(tokenizer_only=True)
+        size = tensor_parallel_size or self.tensor_parallel_size
+        if size == 1:
+            return ModelFromPath(self.model)()
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # the ranks share the replica's cores
+        start_ranks(self.model, size, engine_kwargs or {}, module=rank_module, settings=rank_settings)
+        return ModelFromPath(self.model, size)()
 
 
 def _die_with_parent() -> None:

@@ -75,6 +75,8 @@ def add_subcommands(subparsers) -> None:
     pl.add_argument("--step-tokens", type=int, default=1,
                     help="tokens the step reaching seq-len writes: 1 while decoding (default), a prefill chunk "
                          "while prefilling; a sliding-window layer holds its window plus these")
+    pl.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks: plan one device's share (its weights and KV heads; default 1)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(sizing_handler=run_plan)
 
@@ -176,7 +178,7 @@ def run_roofline(args) -> int:
 
 
 def run_plan(args) -> int:
-    shape = _shape(args)
+    shape = _shape(args).per_rank(args.tp)  # every figure below is one device's
     memory_gb = args.memory_gb
     if memory_gb is None and args.gpu:
         memory_gb = sizing.get_gpu(args.gpu).memory_gb
@@ -194,6 +196,7 @@ def run_plan(args) -> int:
     r = result
     gain = f"{r.num_seqs_paged / r.num_seqs_contiguous:.1f}x" if r.num_seqs_contiguous else "-"
     rows = [
+        *([["tensor-parallel ranks (figures per device)", f"{args.tp}"]] if args.tp > 1 else []),
         ["GPU memory", _gb(r.memory_bytes) if r.memory_bytes else "-"],
         ["utilization", f"{r.utilization:g}" if r.memory_bytes else "-"],
         [f"weights ({args.weight_dtype}, {shape.num_params / 1e9:,.2f}B params)", _gb(r.weight_bytes)],

@@ -44,6 +44,10 @@ _OLD_SPELLINGS = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
                   "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 
 REFERENCE_CONFIG_DIR = Path(__file__).parent / "reference_configs"
+# Families whose attention normalises each query and key head (a `head_dim` weight each, per layer).
+QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text"})
+# Families with a norm before and after both attention and the MLP (four per layer, not two).
+SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
 # Other spellings of the bundled names (compared lower-case, without an "org/" prefix).
 _REFERENCE_ALIASES = {
     "meta-llama-3-70b": "llama-3-70b", "llama3-70b": "llama-3-70b",
@@ -144,6 +148,7 @@ class ModelShape:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     expert_params: int = 0  # one routed expert of one layer
+    norm_params: int = 0  # the norms' weights: whole on every tensor-parallel rank
 
     @property
     def is_mla(self) -> bool:
@@ -214,7 +219,9 @@ class ModelShape:
         first_dense = int(c.get("first_k_dense_replace") or 0)
         freq = int(c.get("moe_layer_freq") or 1)
         num_moe = sum(1 for i in range(num_layers) if i >= first_dense and i % freq == 0) if num_experts else 0
-        norms = 2 * hidden
+        # Per layer: the residual norms, and the per-head q/k norms of the families that have them.
+        norms = ((4 if c.get("model_type") in SANDWICH_NORM_TYPES else 2) * hidden
+                 + (2 * head_dim if c.get("model_type") in QK_NORM_TYPES else 0))
         layer_common = attn + norms
         router = num_experts * hidden
         dense = num_layers * layer_common + (num_layers - num_moe) * dense_mlp + num_moe * (shared + router)
@@ -228,11 +235,13 @@ class ModelShape:
             kv_lora_rank=int(kv_lora_rank) if kv_lora_rank is not None else None, qk_rope_head_dim=rope,
             num_params=num_params, num_dense_matmul_params=dense + embed,  # + lm_head (tied or not)
             num_moe_layers=num_moe, num_experts=num_experts, num_experts_per_tok=top_k, expert_params=expert,
+            norm_params=num_layers * norms + hidden,
         )
 
     def per_rank(self, tensor_parallel_size: int) -> "ModelShape":
         """One rank's share under tensor parallelism over `tensor_parallel_size` ranks: its attention and KV
-        heads (the rank's KV figures are the model's divided by the ranks).
+        heads (the rank's KV figures are the model's divided by the ranks) and its weights (every matmul
+        and the embedding split, the norms whole).
 
         Raises:
             ValueError: the ranks do not divide the heads, or latent attention (one shared K/V head).
@@ -245,9 +254,15 @@ class ModelShape:
         if self.num_kv_heads % tensor_parallel_size or self.num_attention_heads % tensor_parallel_size:
             raise ValueError(f"tp {tensor_parallel_size} must divide the {self.num_attention_heads} attention heads "
                              f"and {self.num_kv_heads} KV heads")
+        # transformers' TP plans split every matmul (attention, MLP, experts, lm_head) and the embedding
+        # (rowwise over the vocabulary); the norms stay whole on every rank.
+        whole = self.norm_params
         return replace(self, name=f"{self.name} (one of {tensor_parallel_size} TP ranks)",
                        num_attention_heads=self.num_attention_heads // tensor_parallel_size,
-                       num_kv_heads=self.num_kv_heads // tensor_parallel_size)
+                       num_kv_heads=self.num_kv_heads // tensor_parallel_size,
+                       num_params=whole + max(0, self.num_params - whole) // tensor_parallel_size,
+                       num_dense_matmul_params=self.num_dense_matmul_params // tensor_parallel_size,
+                       expert_params=self.expert_params // tensor_parallel_size)
 
     def with_kv_heads(self, num_kv_heads: int) -> "ModelShape":
         """The same model with standard attention and `num_kv_heads` KV heads (MHA/GQA/MQA what-ifs)."""

@@ -548,12 +548,14 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
 
     Args:
         disaggregated: builds the `EngineClient` over disaggregated workers for `--num-prefill` /
-            `--num-decode`: called as `disaggregated(model_factory, tokenizer=, num_prefill=,
-            num_decode=, engine_kwargs=)`, with a `max_model_len` attribute on what it returns (the
-            `hf-paged` command passes `disagg.AsyncDisaggregatedEngine.launch`).
+            `--num-decode`, and over replicas for `--data-parallel-size` (no prefill worker): called as
+            `disaggregated(model_factory, tokenizer=, num_prefill=, num_decode=, engine_kwargs=)`, with
+            a `max_model_len` attribute on what it returns (the `hf-paged` command passes
+            `disagg.AsyncDisaggregatedEngine.launch`).
         tensor_parallel: starts and stops the other ranks for `--tensor-parallel-size`: a module with
-            `start_ranks(model, size, engine_kwargs) -> ranks` and `stop_ranks(ranks)` (the `hf-paged`
-            command passes `hf_paged.parallel`).
+            `start_ranks(model, size, engine_kwargs) -> ranks`, `stop_ranks(ranks)` and
+            `TensorParallelReplica(model, size)`, a replica's model factory (the `hf-paged` command
+            passes `hf_paged.parallel`).
     """
     import argparse
     import dataclasses
@@ -584,16 +586,24 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model over this many ranks (processes this command starts; gloo on CPU, "
                              "NCCL on GPU) with transformers' tensor parallelism; this process is rank 0")
+    parser.add_argument("--data-parallel-size", type=int, default=1,
+                        help="serve this many replicas of the model (one process each, each tensor-parallel with "
+                             "--tensor-parallel-size), each request routed to one by prefix-cache affinity, then load")
     args = parser.parse_args(argv)
-    if args.tensor_parallel_size < 1:
-        parser.error(f"--tensor-parallel-size must be a positive integer, got {args.tensor_parallel_size}")
-    is_disaggregated = args.num_prefill is not None or args.num_decode is not None
+    for flag in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    is_split = args.num_prefill is not None or args.num_decode is not None
+    data_parallel = args.data_parallel_size > 1
+    is_disaggregated = is_split or data_parallel  # served by worker processes
     if args.tensor_parallel_size > 1 and tensor_parallel is None:
         parser.error("--tensor-parallel-size is wired by the hf-paged command (python -m hf_paged.cli serve)")
-    if is_disaggregated and args.tensor_parallel_size > 1:
-        parser.error("--tensor-parallel-size does not combine with --num-prefill/--num-decode yet")
+    if is_split and (args.tensor_parallel_size > 1 or data_parallel):
+        parser.error("--tensor-parallel-size and --data-parallel-size do not combine with --num-prefill/--num-decode "
+                     "yet")
     if is_disaggregated and disaggregated is None:
-        parser.error("--num-prefill/--num-decode are wired by the hf-paged command (python -m hf_paged.cli serve)")
+        parser.error("--num-prefill/--num-decode/--data-parallel-size are wired by the hf-paged command "
+                     "(python -m hf_paged.cli serve)")
     try:  # before loading anything: an empty key would open every route
         check_api_key(args.api_key)
         limits = Limits(**{name: getattr(args, name) for name, _, _, _ in Limits.flags()})
@@ -605,12 +615,17 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
     ranks = []  # the tensor-parallel ranks this process starts (--tensor-parallel-size)
     bound_cpu_kernel_caches()  # before the first forward: a server's RSS stays flat (worker/cpu_caches.py)
     if is_disaggregated:  # the workers load the model; this process only tokenises
-        factory = ModelFromPath(args.model)
-        _, tokenizer = factory(tokenizer_only=True)
+        _, tokenizer = ModelFromPath(args.model)(tokenizer_only=True)
         if tokenizer is None:
             parser.error(f"{args.model} has no tokenizer")
-        client = disaggregated(factory, tokenizer=tokenizer, num_prefill=1 if args.num_prefill is None else
-                               args.num_prefill, num_decode=1 if args.num_decode is None else args.num_decode,
+        factory = (tensor_parallel.TensorParallelReplica(args.model, args.tensor_parallel_size)
+                   if args.tensor_parallel_size > 1 else ModelFromPath(args.model))
+        if data_parallel:  # replicas: every worker runs whole requests
+            num_prefill, num_decode = 0, args.data_parallel_size
+        else:
+            num_prefill = 1 if args.num_prefill is None else args.num_prefill
+            num_decode = 1 if args.num_decode is None else args.num_decode
+        client = disaggregated(factory, tokenizer=tokenizer, num_prefill=num_prefill, num_decode=num_decode,
                                engine_kwargs=EngineConfig.from_cli_args(args, max_model_len=args.max_model_len)
                                .engine_kwargs())
         limit = args.max_model_len or min(client.max_model_len or 2048, 8192)

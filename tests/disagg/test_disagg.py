@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hf_paged import Engine, SamplingParams
-from hf_paged.disagg import DisaggregatedEngine
+from hf_paged.disagg import DataParallelEngine, DisaggregatedEngine
 from tiny_models import VOCAB, tiny_paged_llama
 
 pytestmark = pytest.mark.slow
@@ -230,3 +230,55 @@ def test_torchrun_runs_the_same_topology_across_processes(tmp_path):
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["token_ids"] for r in records] == _reference(PROMPTS, SamplingParams(max_new_tokens=6))
     assert all(r["error"] is None for r in records)
+
+
+# ---------------------------------------------------------------------- data parallelism (no prefill worker)
+def _engine_counter(engine, worker: str, key: str):
+    return engine.metrics()["workers"][worker]["engine"].get(key, 0)
+
+
+def test_data_parallel_replicas_equal_one_engine_and_a_shared_prefix_goes_where_it_is_cached():
+    greedy = SamplingParams(max_new_tokens=12)
+    seeded = [SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=100 + i) for i in range(len(SHARED))]
+    with DataParallelEngine(tiny_paged_llama, 2) as engine:
+        pids = list(engine.worker_pids.values())
+        assert sorted(engine.worker_pids) == ["replica0", "replica1"]
+        out = engine.generate(SHARED, greedy)
+        assert [o.token_ids for o in out] == _reference(SHARED, greedy)
+        out = engine.generate(SHARED, seeded)
+        assert [o.token_ids for o in out] == _reference(SHARED, seeded)
+        m = engine.metrics()
+        assert m["kv_bytes_transferred"] == 0 and m["tensor_sends"] == 0  # replicas move no K/V
+        served = {name: _settled_counter(engine, name, "vllm:prompt_tokens") for name in ("replica0", "replica1")}
+        assert all(served.values())  # a burst is spread over both replicas (load balance)
+
+        # One at a time, so that load never decides: each later prompt with the system prompt goes to the
+        # replica that computed it, and is served from its prefix cache.
+        before = {name: _engine_counter(engine, name, "vllm:prefix_cache_hits") for name in served}
+        system_prompts = [SYSTEM + [9, 8, 7, i] for i in range(4)]
+        for prompt in system_prompts:
+            [o] = engine.generate([prompt], greedy)
+            assert o.token_ids == _reference([prompt], greedy)[0]
+        time.sleep(0.5)  # the workers' next heartbeats carry their counters
+        gained = {name: _engine_counter(engine, name, "vllm:prefix_cache_hits") - before[name] for name in served}
+        assert sorted(gained.values()) == [0, len(SYSTEM) * len(system_prompts)], gained
+    assert _gone(pids)
+
+
+def _settled_counter(engine, worker: str, key: str, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while not _engine_counter(engine, worker, key) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return _engine_counter(engine, worker, key)
+
+
+def test_a_killed_replica_has_its_requests_rerun_on_the_other():
+    # replica0's steps are slowed, so that it still holds requests when it is killed
+    _fault_mid_run(MANY, LONG, "replica0", _kill("replica0"), num_prefill=0, num_decode=2, heartbeat_timeout=3.0,
+                   faults={"replica0": {"slow_step_seconds": 0.2}})
+
+
+def test_a_data_parallel_engine_needs_a_positive_size():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="data_parallel_size"):
+            DataParallelEngine(tiny_paged_llama, bad)

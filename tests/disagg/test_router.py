@@ -142,3 +142,31 @@ def test_mailbox_beats_and_status():
     w.beat({"free_blocks": 7})
     w.beat({"free_blocks": 5})
     assert r.beats_of("w") == 2 and r.status_of("w") == {"free_blocks": 5}
+
+
+def test_affinity_gives_way_to_balance_past_balance_tokens():
+    router = Router(["p0", "p1"], ["d0"], block_size=4, balance_tokens=20)
+    system = list(range(100, 112))
+    router.start_prefill("p0", system + [1])
+    assert router.choose_prefill(system + [2]) == "p0"  # 13 tokens ahead: affinity still wins
+    router.start_prefill("p0", system + [2])
+    assert router.choose_prefill(system + [3]) == "p1"  # 26 ahead of p1: the idle worker takes it
+    with pytest.raises(ValueError, match="balance_tokens"):
+        Router(["p0"], ["d0"], block_size=4, balance_tokens=-1)
+
+
+def test_replicas_are_chosen_by_the_same_policy_with_their_whole_requests_as_load():
+    router = Router([], ["r0", "r1"], block_size=4, balance_tokens=40)
+    system = list(range(100, 112))
+    first = router.choose_replica(system + [1])
+    router.start_run(first, system + [1], max_new_tokens=10)  # 23 tokens of work
+    other = "r1" if first == "r0" else "r0"
+    assert router.choose_replica(system + [2]) == first  # the replica that cached the system prompt
+    assert router.choose_replica([7, 7, 7, 7, 7]) == other  # nothing shared: the least loaded
+    router.start_run(first, system + [2], max_new_tokens=10)  # 46 ahead now
+    assert router.choose_replica(system + [3]) == other
+    router.end_run(first, system + [2], max_new_tokens=10)
+    router.end_run(first, system + [1], max_new_tokens=10)
+    assert router.run_tokens[first] == 0 and router.choose_replica(system + [3]) == first
+    router.mark_dead(first)
+    assert router.choose_replica(system + [3]) == other

@@ -47,6 +47,12 @@ def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
                               "--tp", "2", "--kv-dtype", "float32", "--json"], capture_output=True, text=True,
                              check=True, cwd=ROOT)
     assert json.loads(planned.stdout)["rows"][0]["bytes_per_token"] == ranks[0]["bytes_per_token"]
+    # And each rank holds its share of the weights, as `hf-paged plan --tp 2` says.
+    planned = subprocess.run([sys.executable, "-m", "hf_paged.cli", "plan", str(model_dir / "config.json"), "--tp", "2",
+                              "--weight-dtype", "float32", "--kv-budget", "1000000", "--seq-len", "64", "--json"],
+                             capture_output=True, text=True, check=True, cwd=ROOT)
+    assert ranks[0]["weight_bytes"] == ranks[1]["weight_bytes"] == json.loads(planned.stdout)["weight_bytes"]
+    assert ranks[0]["weight_bytes"] < single["weight_bytes"]
 
 
 def test_kv_size_refuses_a_tp_that_does_not_divide_the_heads(tmp_path):

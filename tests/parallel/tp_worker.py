@@ -55,6 +55,8 @@ def run(model) -> dict:
     out["greedy"] = [o.outputs[0].token_ids for o in engine.generate(rows, greedy)]
     out["sampled"] = [o.outputs[0].token_ids for o in engine.generate(rows, sampled)]
     out["bytes_per_token"] = pool_bytes_per_token(engine)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # a rank's shards
+    out["weight_bytes"] = sum(t.numel() * t.element_size() for t in local)
     small, crowded = Engine(model, num_blocks=SMALL_POOL), prompts(SMALL_PROMPT_LENGTHS)
     out["preempted_greedy"] = [o.outputs[0].token_ids for o in small.generate(
         crowded, SamplingParams(max_new_tokens=SMALL_NEW_TOKENS, temperature=0.0))]

@@ -331,3 +331,28 @@ def test_plan_counts_sliding_groups_like_the_cache(seq_len):
     assert grows(decode.num_seqs_paged) and not grows(decode.num_seqs_paged + 1)
     with pytest.raises(ValueError, match="step-tokens"):
         sizing.plan(shape, kv_budget_bytes=budget, seq_len=seq_len, step_tokens=seq_len + 1)
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("llama", {}), ("qwen3", {}), ("gemma2", {}), ("gemma3_text", {}),
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+])
+def test_parameter_count_equals_the_instantiated_model(model_type, extra):
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)
+    model = AutoModelForCausalLM.from_config(config)
+    assert ModelShape.from_config(config).num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_plan_tp_gives_one_devices_weights_and_kv(capsys, llama70b):
+    rc, out, err = run_cli(capsys, "plan", "llama-3-70b", "--gpu", "h100-sxm")
+    assert rc != 0 and "do not fit" in err  # 141 GB of bf16 weights do not fit one 80 GB H100
+    rc, out, err = run_cli(capsys, "plan", "llama-3-70b", "--gpu", "h100-sxm", "--tp", "4", "--json")
+    got = json.loads(out)
+    # Every matmul and the embedding split four ways; the norms whole on each device.
+    assert got["weight_bytes"] == 2 * (llama70b.norm_params + (llama70b.num_params - llama70b.norm_params) // 4)
+    assert got["bytes_per_block"] == 16 * sizing.kv_bytes_per_token(llama70b, "bfloat16") // 4  # 2 of 8 KV heads
+    rc, out, err = run_cli(capsys, "plan", "llama-3-70b", "--gpu", "h100-sxm", "--tp", "4")
+    assert rc == 0 and "tensor-parallel ranks (figures per device)" in out

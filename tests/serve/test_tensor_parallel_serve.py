@@ -1,7 +1,8 @@
 """`hf-paged serve --tensor-parallel-size 2`: the server starts its second rank itself (no torchrun), answers
 the real openai client exactly as one single-process `Engine` does (greedy, streamed, stop strings, n > 1
 with logprobs), ends a killed rank's requests with a clear 503 at once (no hang), and leaves no process
-behind when it stops."""
+behind when it stops. `--data-parallel-size 2` (with and without tensor-parallel replicas): the same
+answers, and a shared system prompt is served from the prefix cache of the replica that computed it."""
 
 from __future__ import annotations
 
@@ -104,3 +105,47 @@ def test_tp2_batch_job_writes_the_single_process_rows(model_dir, tmp_path):
         return sorted((r["index"], r["token_ids"]) for r in map(json.loads, out.read_text().splitlines()))
 
     assert job(tmp_path / "tp2.jsonl", *TP) == job(tmp_path / "tp1.jsonl")
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def _prefix_hits(server) -> float:
+    import httpx
+
+    body = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=10).text
+    return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+
+
+@pytest.mark.parametrize("extra", [(), TP], ids=["dp2", "dp2-tp2"])
+def test_dp2_server_answers_as_one_engine_and_serves_a_shared_prompt_from_the_replica_that_cached_it(
+        model_dir, single, extra):
+    server = Served(model_dir, "--data-parallel-size", "2", *extra)
+    try:
+        tree = _descendants(server.proc.pid)
+        ranks = [p for p in tree if "hf_paged.parallel.launch" in open(f"/proc/{p}/cmdline").read()]
+        assert len(ranks) == (2 if extra else 0)  # each replica started its own second rank
+        client = server.client()
+        system = "You are a terse assistant. " * 12  # several full KV blocks, shared by every prompt below
+        prompts = [system + q for q in ("The capital of France is", "Two plus two is", "My name is", "Hello")]
+        for prompt in prompts:  # one at a time: affinity, not load, decides
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].text == single(prompt, max_new_tokens=8).text
+        streamed = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == single(prompts[0], max_new_tokens=8).text
+        deadline = time.monotonic() + 5
+        while _prefix_hits(server) < 3 * 16 * 3 and time.monotonic() < deadline:  # the replicas' next heartbeats
+            time.sleep(0.2)
+        assert _prefix_hits(server) >= 3 * 16 * 3  # prompts 2-4 found the system prompt's blocks cached
+    finally:
+        assert server.stop() == 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in tree if os.path.exists(f"/proc/{p}")]  # replicas and their ranks stopped too
