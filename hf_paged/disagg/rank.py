@@ -63,7 +63,7 @@ class RankTransfers:
         if ok:
             try:
                 for t, heads in pieces.parts:
-                    self.engine.write_kv(payload["slots"], t.buffer, heads)
+                    self.engine.write_kv(payload["slots"], t.buffer, heads, payload.get("num_blocks"))
             except Exception:  # noqa: BLE001 - rank 0 learns it below and recomputes
                 logger.warning("hf_paged: a tensor-parallel rank could not write its K/V", exc_info=True)
                 ok = False

@@ -303,9 +303,9 @@ class Worker:
             self.mailbox.send(ROUTER, {"op": op, "rid": routed["rid"], "attempt": routed["attempt"], "output": final,
                                        "error": final.error})
             return
-        pieces = self._pieces_to(routed["decode"], routed["decode_rank"])
-        slots = self.engine.kv_token_slots(seqs[0])
         try:
+            pieces = self._pieces_to(routed["decode"], routed["decode_rank"])
+            slots = self.engine.kv_token_slots(seqs[0])
             for piece in pieces:
                 piece["tag"] = self.next_tag
                 piece["numel"] = len(slots) * self._numel_per_head_token() * (piece["heads"][1] - piece["heads"][0])
@@ -442,7 +442,8 @@ class Worker:
             return
         split = len(t.parts) < len(kv["pieces"])  # other ranks hold pieces too
         if split:
-            self.engine.tell_ranks("kv_write", {"key": kv["key"], "slots": reserved.slots})
+            self.engine.tell_ranks("kv_write", {"key": kv["key"], "slots": reserved.slots,
+                                                "num_blocks": self.engine.kv_transfer_info()["num_blocks"]})
         ok = True
         try:
             for piece, heads in t.parts:

@@ -97,8 +97,12 @@ class KeptKVAPI:
             self.core.note_weights()
             return self.kv.reserve_import(list(token_ids))
 
-    def write_kv(self, slots: list[int], kv: torch.Tensor, heads: tuple[int, int] | None = None) -> None:
-        """Store a transfer buffer of this rank's KV heads `heads` at `slots` (-1: already cached)."""
+    def write_kv(self, slots: list[int], kv: torch.Tensor, heads: tuple[int, int] | None = None,
+                 num_blocks: int | None = None) -> None:
+        """Store a transfer buffer of this rank's KV heads `heads` at `slots` (-1: already cached); a
+        rank other than 0 first grows its pool to rank 0's `num_blocks` (the reservation may have grown it)."""
+        if num_blocks is not None and self.kv.num_blocks < num_blocks:
+            self.kv.grow_to(num_blocks)
         self.kv.write_transfer(slots, kv, heads)
 
     def commit_kv_import(self, reserved) -> KVSequence:

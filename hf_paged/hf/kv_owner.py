@@ -461,7 +461,7 @@ class KVOwner:
     def token_slots(self, seq: KVSequence) -> list[int]:
         """The pool slot of every token of a kept sequence (rank 0 tells the other ranks where to gather)."""
         if not self.holds(seq):
-            raise ValueError("export_kv takes a sequence this engine keeps (kept_kv)")
+            raise ValueError("kv_token_slots takes a sequence this engine keeps (kept_kv)")
         return kv_transfer.token_slots(self, seq)
 
     def gather(self, slots: list[int], heads: kv_transfer.Heads = None) -> torch.Tensor:

@@ -75,7 +75,9 @@ class TensorParallelReplica:
             return ModelFromPath(self.model)()
         import torch
 
-        os.environ["OMP_NUM_THREADS"] = str(torch.get_num_threads())  # the ranks share the replica's cores
+        per_rank = max(1, torch.get_num_threads() // size)  # the ranks share the replica's cores
+        torch.set_num_threads(per_rank)
+        os.environ["OMP_NUM_THREADS"] = str(per_rank)
         start_ranks(self.model, size, engine_kwargs or {}, module=rank_module, settings=rank_settings)
         return ModelFromPath(self.model, size)()
 
