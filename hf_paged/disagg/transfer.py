@@ -61,10 +61,6 @@ class Transfer:
         threading.Thread(target=wait, name=f"hf_paged-kv-{self.tag}", daemon=True).start()
         return self
 
-    @property
-    def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
-
 
 @dataclass
 class Pieces:
@@ -78,10 +74,6 @@ class Pieces:
     @property
     def peers(self) -> set[int]:
         return {t.peer for t, _ in self.parts}
-
-    @property
-    def started(self) -> float:
-        return min((t.started for t, _ in self.parts), default=time.monotonic())
 
 
 def kv_group(backend: str, store, rank: int, world_size: int, timeout: timedelta):

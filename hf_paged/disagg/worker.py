@@ -304,11 +304,15 @@ class Worker:
                                        "error": final.error})
             return
         try:
-            pieces = self._pieces_to(routed["decode"], routed["decode_rank"])
+            info = self.engine.kv_transfer_info()
+            src = self.spec.ranks_of(self.spec.name) or [self.spec.rank]
+            dst = self.spec.ranks_of(routed["decode"]) or [routed["decode_rank"]]
+            pieces = transfer.plan_pieces(info["kv_heads"] * len(src), src, dst)
             slots = self.engine.kv_token_slots(seqs[0])
+            per_head_token = info["kv_numel_per_token"] // info["kv_heads"]
             for piece in pieces:
                 piece["tag"] = self.next_tag
-                piece["numel"] = len(slots) * self._numel_per_head_token() * (piece["heads"][1] - piece["heads"][0])
+                piece["numel"] = len(slots) * per_head_token * (piece["heads"][1] - piece["heads"][0])
                 self.next_tag += 1
             self.engine.tell_ranks("kv_out", {"key": key, "slots": slots, "pieces": pieces})  # the others' heads
             own = [(piece, self.engine.gather_kv(slots, piece["src_heads"])) for piece in pieces
@@ -329,17 +333,6 @@ class Worker:
             self.num_sent_tensors += len(own)
         self.mailbox.send(ROUTER, {"op": "first", "rid": routed["rid"], "attempt": routed["attempt"],
                                    "token_ids": list(sample.token_ids), "text": sample.text})
-
-    def _pieces_to(self, decode: str, decode_rank: int) -> list[dict]:
-        """The pieces a request's K/V move in, from this worker's ranks to the decode worker's."""
-        src = self.spec.ranks_of(self.spec.name) or [self.spec.rank]
-        dst = self.spec.ranks_of(decode) or [decode_rank]
-        info = self.engine.kv_transfer_info()
-        return transfer.plan_pieces(info["kv_heads"] * len(src), src, dst)
-
-    def _numel_per_head_token(self) -> int:
-        info = self.engine.kv_transfer_info()
-        return info["kv_numel_per_token"] // info["kv_heads"]
 
     def _post_send(self, key: tuple, buffer: torch.Tensor, peer: int, peer_name: str, kv: dict) -> None:
         tag = self.next_tag

@@ -54,6 +54,14 @@ class TensorParallelGroup:
     def leads(self) -> bool:
         return self.rank == 0
 
+    def lose(self, exc: Exception) -> ExecutorLostError:
+        """A rank is gone (`exc` says how): `lost` says so from now on, and is returned to raise."""
+        self.lost = ExecutorLostError(
+            f"hf_paged: a tensor-parallel rank is gone ({type(exc).__name__}: {str(exc)[:200]}); this engine cannot "
+            "run steps any more: restart it (its server) to serve again")
+        logger.error("%s", self.lost)
+        return self.lost
+
     def broadcast(self, message=None):
         """Rank 0's `message` on every rank (rank 0 passes it, the others receive it)."""
         box = [message if self.leads else None]
@@ -81,14 +89,6 @@ class TensorParallelExecutor(InProcessExecutor):
         super().__init__(runner)
         self.group = group
 
-    def _lose(self, exc: Exception) -> ExecutorLostError:
-        """A rank is gone: `group.lost` says so from now on, and every later step fails with it."""
-        self.group.lost = ExecutorLostError(
-            f"hf_paged: a tensor-parallel rank is gone ({type(exc).__name__}: {str(exc)[:200]}); this engine cannot "
-            "run steps any more: restart it (its server) to serve again")
-        logger.error("%s", self.group.lost)
-        return self.group.lost
-
     def execute(self, step: ExecutorStep) -> torch.Tensor:  # [num logit rows, vocab]
         if self.group.lost is not None:
             raise self.group.lost
@@ -97,12 +97,12 @@ class TensorParallelExecutor(InProcessExecutor):
             try:
                 self.group.broadcast(("step", (inputs, self.runner.kv.num_blocks)))
             except Exception as exc:  # the broadcast reaches every rank or a rank is gone
-                raise self._lose(exc) from exc
+                raise self.group.lose(exc) from exc
             try:
                 return self.runner.run(inputs, step.new_full_blocks)
             except Exception as exc:
                 if _is_distributed_failure(exc):  # the forward's collectives lost a rank
-                    raise self._lose(exc) from exc
+                    raise self.group.lose(exc) from exc
                 raise
         finally:
             self._times = StepTimes(self.runner.last_metadata_seconds, self.runner.last_model_seconds)
@@ -260,9 +260,7 @@ class TensorParallelCalls:
         try:
             group.broadcast((kind, payload))
         except Exception as exc:
-            group.lost = ExecutorLostError(f"hf_paged: a tensor-parallel rank is gone ({type(exc).__name__}: "
-                                           f"{str(exc)[:200]}); restart this engine")
-            raise group.lost from exc
+            raise group.lose(exc) from exc
 
     def on_rank_message(self, kind: str, handler) -> None:
         """On a rank other than 0: `handler(payload)` runs each `tell_ranks(kind, payload)` of rank 0."""
