@@ -78,6 +78,9 @@ def main(spec: str) -> int:
     from ..model_source import ModelFromPath
     from ..worker import bound_cpu_kernel_caches
 
+    from ..engine import rank_liveness
+
+    rank_liveness.beat_to_parent()
     settings = json.loads(spec)
     kv = settings["settings"]["kv"]
     torch.set_num_threads(max(1, int(kv.get("num_threads") or 1)))

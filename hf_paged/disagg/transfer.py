@@ -105,16 +105,28 @@ def plan_pieces(num_kv_heads: int, src_ranks: list[int], dst_ranks: list[int]) -
 
 
 def send(key: tuple, buffer: torch.Tensor, peer: int, tag: int, group, meta: dict | None = None) -> Transfer:
-    """Post the send of `buffer` (contiguous) to rank `peer` of `group`; returns at once."""
+    """Post the send of `buffer` (contiguous) to rank `peer` of `group`; returns at once (a peer found gone
+    while posting gives a transfer that failed already)."""
     buffer = buffer.contiguous()
-    return Transfer(key, peer, tag, buffer, group.send([buffer], peer, tag), meta=meta or {}).watch()
+    return _posted(key, peer, tag, buffer, lambda: group.send([buffer], peer, tag), meta)
 
 
 def receive(key: tuple, numel: int, dtype: torch.dtype, device, peer: int, tag: int, group,
             meta: dict | None = None) -> Transfer:
-    """Post the receive of `numel` elements from rank `peer` of `group` into a new buffer; returns at once."""
+    """Post the receive of `numel` elements from rank `peer` of `group` into a new buffer; returns at once
+    (a peer found gone while posting gives a transfer that failed already)."""
     buffer = torch.empty(numel, dtype=dtype, device=device)
-    return Transfer(key, peer, tag, buffer, group.recv([buffer], peer, tag), meta=meta or {}).watch()
+    return _posted(key, peer, tag, buffer, lambda: group.recv([buffer], peer, tag), meta)
+
+
+def _posted(key: tuple, peer: int, tag: int, buffer: torch.Tensor, post, meta: dict | None) -> Transfer:
+    try:
+        work = post()
+    except RuntimeError as exc:  # gloo raises at once when the peer's connection is closed already
+        failed = Transfer(key, peer, tag, buffer, None, meta=meta or {}, error=exc)
+        failed.finished.set()
+        return failed
+    return Transfer(key, peer, tag, buffer, work, meta=meta or {}).watch()
 
 
 def state(transfer: Transfer | Pieces, timeout: float) -> str:

@@ -529,5 +529,5 @@ def _engine_id(routed: dict) -> str:
 def _engine_counters(engine: Engine) -> dict:
     m = engine.metrics()
     keys = ("vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_hits", "vllm:prefix_cache_queries",
-            "vllm:num_requests_running", "num_steps")
+            "vllm:num_requests_running", "vllm:request_success", "num_steps")
     return {k: m[k] for k in keys if k in m}

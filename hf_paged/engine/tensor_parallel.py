@@ -272,12 +272,21 @@ class TensorParallelCalls:
 
     def all_ranks_ok(self, ok: bool) -> bool:
         """Whether `ok` holds on every rank: rank 0 calls it after a `tell_ranks`, each other rank from
-        that message's handler (one all-reduce over the TP group). Without tensor parallelism, `ok`."""
+        that message's handler (one all-reduce over the TP group). Without tensor parallelism, `ok`.
+
+        Raises:
+            ExecutorLostError: a rank is gone (this engine can run no more steps either).
+        """
         group = self._lead.group if self._lead is not None else self._follower.group if self._follower else None
         if group is None:
             return ok
+        if group.lost is not None:
+            raise group.lost
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.group)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group.group)
+        except Exception as exc:
+            raise group.lose(exc) from exc
         return bool(flag.item())
 
     @property

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+from ..engine import rank_liveness
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -37,14 +38,28 @@ def start_ranks(model: str, tensor_parallel_size: int, engine_kwargs: dict, modu
                   "WORLD_SIZE": str(tensor_parallel_size), "LOCAL_WORLD_SIZE": str(tensor_parallel_size)}
     spec = json.dumps({"model": model, "tensor_parallel_size": tensor_parallel_size, "engine_kwargs": engine_kwargs,
                        "settings": settings or {}})
-    procs = []
+    timeout = rank_liveness.heartbeat_timeout()  # a bad override fails here, before any rank starts
+    procs, read_fds = StartedRanks(), []
     for rank in range(1, tensor_parallel_size):
-        env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen([sys.executable, "-m", module, spec], env=env,
-                                      preexec_fn=_die_with_parent))
+        read_fd, write_fd = os.pipe()  # the rank's heartbeats (engine.rank_liveness)
+        env = {**os.environ, **rendezvous, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               rank_liveness.FD_ENV: str(write_fd)}
+        try:
+            procs.append(subprocess.Popen([sys.executable, "-m", module, spec], env=env, pass_fds=(write_fd,),
+                                          preexec_fn=_die_with_parent))
+        finally:
+            os.close(write_fd)
+        read_fds.append(read_fd)
     os.environ.update({**rendezvous, "RANK": "0", "LOCAL_RANK": "0"})
     atexit.register(_kill, procs)  # rank 0 exiting any way but `stop_ranks` (an error at start) leaves none behind
+    procs.watch = rank_liveness.RankWatch(procs, read_fds, timeout)  # a hung rank is ended, not waited for
     return procs
+
+
+class StartedRanks(list):
+    """The processes `start_ranks` started (ranks 1..N-1, in order), and the `watch` over their heartbeats."""
+
+    watch: rank_liveness.RankWatch | None = None
 
 
 class TensorParallelReplica:
@@ -102,6 +117,8 @@ def _kill(procs: list[subprocess.Popen]) -> None:
 def stop_ranks(procs: list[subprocess.Popen], timeout: float = 30.0) -> None:
     """Wait for the ranks `start_ranks` started (rank 0's engine shut down: they stop following), killing
     any still running after `timeout` seconds: none outlives the server."""
+    if getattr(procs, "watch", None) is not None:
+        procs.watch.stop()  # they exit now on purpose
     for proc in procs:
         try:
             proc.wait(timeout=timeout)
@@ -116,6 +133,7 @@ def follower_main(spec: str) -> int:
     from ..model_source import ModelFromPath
     from ..worker import bound_cpu_kernel_caches
 
+    rank_liveness.beat_to_parent()
     settings = json.loads(spec)
     bound_cpu_kernel_caches()
     model, tokenizer = ModelFromPath(settings["model"], settings["tensor_parallel_size"])()

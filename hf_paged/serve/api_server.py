@@ -549,8 +549,9 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
     Args:
         disaggregated: builds the `EngineClient` over disaggregated workers for `--num-prefill` /
             `--num-decode`, and over replicas for `--data-parallel-size` (no prefill worker): called as
-            `disaggregated(model_factory, tokenizer=, num_prefill=, num_decode=, engine_kwargs=)`, with
-            a `max_model_len` attribute on what it returns (the `hf-paged` command passes
+            `disaggregated(model_factory, tokenizer=, num_prefill=, num_decode=, engine_kwargs=)` (pools
+            add `prefill_tensor_parallel_size=` and `decode_tensor_parallel_size=`), with a `max_model_len`
+            attribute on what it returns (the `hf-paged` command passes
             `disagg.AsyncDisaggregatedEngine.launch`).
         tensor_parallel: starts and stops the other ranks for `--tensor-parallel-size`: a module with
             `start_ranks(model, size, engine_kwargs) -> ranks`, `stop_ranks(ranks)` and
@@ -589,18 +590,29 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
     parser.add_argument("--data-parallel-size", type=int, default=1,
                         help="serve this many replicas of the model (one process each, each tensor-parallel with "
                              "--tensor-parallel-size), each request routed to one by prefix-cache affinity, then load")
+    for role in ("prefill", "decode"):
+        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
+                            help=f"with --num-prefill/--num-decode: ranks per {role} worker (default "
+                                 "--tensor-parallel-size); each KV head moves once, from the prefill rank holding it "
+                                 "to the decode rank that needs it")
     args = parser.parse_args(argv)
-    for flag in ("tensor_parallel_size", "data_parallel_size"):
-        if getattr(args, flag) < 1:
+    for flag in ("tensor_parallel_size", "data_parallel_size", "prefill_tensor_parallel_size",
+                 "decode_tensor_parallel_size"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
     is_split = args.num_prefill is not None or args.num_decode is not None
     data_parallel = args.data_parallel_size > 1
     is_disaggregated = is_split or data_parallel  # served by worker processes
-    if args.tensor_parallel_size > 1 and tensor_parallel is None:
+    pool_sizes = tuple(args.tensor_parallel_size if n is None else n
+                       for n in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size))
+    if not is_split and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
+        parser.error("--prefill-tensor-parallel-size/--decode-tensor-parallel-size size the pools of "
+                     "--num-prefill/--num-decode; without them, use --tensor-parallel-size")
+    if max(args.tensor_parallel_size, *pool_sizes) > 1 and tensor_parallel is None:
         parser.error("--tensor-parallel-size is wired by the hf-paged command (python -m hf_paged.cli serve)")
-    if is_split and (args.tensor_parallel_size > 1 or data_parallel):
-        parser.error("--tensor-parallel-size and --data-parallel-size do not combine with --num-prefill/--num-decode "
-                     "yet")
+    if is_split and data_parallel:
+        parser.error("--data-parallel-size does not combine with --num-prefill/--num-decode (add decode workers "
+                     "with --num-decode instead)")
     if is_disaggregated and disaggregated is None:
         parser.error("--num-prefill/--num-decode/--data-parallel-size are wired by the hf-paged command "
                      "(python -m hf_paged.cli serve)")
@@ -618,16 +630,20 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
         _, tokenizer = ModelFromPath(args.model)(tokenizer_only=True)
         if tokenizer is None:
             parser.error(f"{args.model} has no tokenizer")
-        factory = (tensor_parallel.TensorParallelReplica(args.model, args.tensor_parallel_size)
-                   if args.tensor_parallel_size > 1 else ModelFromPath(args.model))
-        if data_parallel:  # replicas: every worker runs whole requests
-            num_prefill, num_decode = 0, args.data_parallel_size
-        else:
-            num_prefill = 1 if args.num_prefill is None else args.num_prefill
-            num_decode = 1 if args.num_decode is None else args.num_decode
-        client = disaggregated(factory, tokenizer=tokenizer, num_prefill=num_prefill, num_decode=num_decode,
-                               engine_kwargs=EngineConfig.from_cli_args(args, max_model_len=args.max_model_len)
-                               .engine_kwargs())
+        engine_kwargs = EngineConfig.from_cli_args(args, max_model_len=args.max_model_len).engine_kwargs()
+        if data_parallel:  # replicas: every worker runs whole requests, each at --tensor-parallel-size
+            factory = (tensor_parallel.TensorParallelReplica(args.model, args.tensor_parallel_size)
+                       if args.tensor_parallel_size > 1 else ModelFromPath(args.model))
+            client = disaggregated(factory, tokenizer=tokenizer, num_prefill=0, num_decode=args.data_parallel_size,
+                                   engine_kwargs=engine_kwargs)
+        else:  # prefill and decode pools, each at its own size
+            factory = (tensor_parallel.TensorParallelReplica(args.model) if max(pool_sizes) > 1
+                       else ModelFromPath(args.model))
+            client = disaggregated(factory, tokenizer=tokenizer,
+                                   num_prefill=1 if args.num_prefill is None else args.num_prefill,
+                                   num_decode=1 if args.num_decode is None else args.num_decode,
+                                   engine_kwargs=engine_kwargs, prefill_tensor_parallel_size=pool_sizes[0],
+                                   decode_tensor_parallel_size=pool_sizes[1])
         limit = args.max_model_len or min(client.max_model_len or 2048, 8192)
     else:
         if args.tensor_parallel_size > 1:  # ranks 1.. start now: every rank loads its shard at once

@@ -249,7 +249,10 @@ def test_data_parallel_replicas_equal_one_engine_and_a_shared_prefix_goes_where_
         assert [o.token_ids for o in out] == _reference(SHARED, seeded)
         m = engine.metrics()
         assert m["kv_bytes_transferred"] == 0 and m["tensor_sends"] == 0  # replicas move no K/V
-        served = {name: _settled_counter(engine, name, "vllm:prompt_tokens") for name in ("replica0", "replica1")}
+        # The counters come with the workers' heartbeats: read them once both replicas report every request.
+        names = ("replica0", "replica1")
+        _await_successes(engine, names, 2 * len(SHARED))
+        served = {name: _engine_counter(engine, name, "vllm:prompt_tokens") for name in names}
         assert all(served.values())  # a burst is spread over both replicas (load balance)
 
         # One at a time, so that load never decides: each later prompt with the system prompt goes to the
@@ -259,17 +262,18 @@ def test_data_parallel_replicas_equal_one_engine_and_a_shared_prefix_goes_where_
         for prompt in system_prompts:
             [o] = engine.generate([prompt], greedy)
             assert o.token_ids == _reference([prompt], greedy)[0]
-        time.sleep(0.5)  # the workers' next heartbeats carry their counters
+        _await_successes(engine, names, 2 * len(SHARED) + len(system_prompts))
         gained = {name: _engine_counter(engine, name, "vllm:prefix_cache_hits") - before[name] for name in served}
         assert sorted(gained.values()) == [0, len(SYSTEM) * len(system_prompts)], gained
     assert _gone(pids)
 
 
-def _settled_counter(engine, worker: str, key: str, timeout: float = 5.0):
+def _await_successes(engine, workers, count: int, timeout: float = 10.0) -> None:
+    """Wait until the workers' reported counters include `count` finished requests in all."""
     deadline = time.monotonic() + timeout
-    while not _engine_counter(engine, worker, key) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _engine_counter(engine, worker, key)
+    while sum(_engine_counter(engine, w, "vllm:request_success") for w in workers) < count:
+        assert time.monotonic() < deadline, {w: _engine_counter(engine, w, "vllm:request_success") for w in workers}
+        time.sleep(0.05)
 
 
 def test_a_killed_replica_has_its_requests_rerun_on_the_other():

@@ -1,6 +1,6 @@
 """`hf-paged serve --tensor-parallel-size 2`: the server starts its second rank itself (no torchrun), answers
 the real openai client exactly as one single-process `Engine` does (greedy, streamed, stop strings, n > 1
-with logprobs), ends a killed rank's requests with a clear 503 at once (no hang), and leaves no process
+with logprobs), ends a killed or hung rank's requests with a clear 503 (no hang), and leaves no process
 behind when it stops. `--data-parallel-size 2` (with and without tensor-parallel replicas): the same
 answers, and a shared system prompt is served from the prefix cache of the replica that computed it."""
 
@@ -73,13 +73,15 @@ def test_tp2_server_answers_as_one_engine(model_dir, single):
     assert not any(os.path.exists(f"/proc/{p}") for p in ranks)  # the rank stopped with the server
 
 
-def test_a_killed_rank_ends_requests_with_a_clear_503_not_a_hang(model_dir):
-    server = Served(model_dir, *TP)
+@pytest.mark.parametrize("fault", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_killed_or_hung_rank_ends_requests_with_a_clear_503_not_a_hang(model_dir, fault):
+    # a hung (stopped) rank sends no heartbeat: the server ends it after 3 s rather than wait in a collective
+    server = Served(model_dir, *TP, env={"HF_PAGED_RANK_HEARTBEAT_TIMEOUT": "3"})
     try:
         client = server.client()
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=4, temperature=0).choices[0].text
         for pid in _children(server.proc.pid):
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, fault)
         began = time.monotonic()
         for _ in range(2):  # the request that finds the rank gone, and every later one
             with pytest.raises(openai.APIStatusError) as err:
@@ -149,3 +151,37 @@ def test_dp2_server_answers_as_one_engine_and_serves_a_shared_prompt_from_the_re
     while any(os.path.exists(f"/proc/{p}") for p in tree) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in tree if os.path.exists(f"/proc/{p}")]  # replicas and their ranks stopped too
+
+
+def test_prefill_and_decode_pools_at_their_own_sizes_answer_as_one_engine(model_dir, single):
+    # prefill at TP 2, decode at TP 1: each KV head moves once, from the prefill rank holding it
+    server = Served(model_dir, "--num-prefill", "1", "--num-decode", "1", "--prefill-tensor-parallel-size", "2")
+    try:
+        tree = _descendants(server.proc.pid)
+        ranks = [p for p in tree if "hf_paged.disagg.rank" in open(f"/proc/{p}/cmdline").read()]
+        assert len(ranks) == 1  # the prefill worker started its second rank; the decode worker has none
+        client = server.client()
+        for prompt in ("The capital of France is", "Two plus two is"):
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+            assert out.choices[0].text == single(prompt, max_new_tokens=8).text
+        streamed = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == single("Hello", max_new_tokens=8).text
+    finally:
+        assert server.stop() == 0
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in tree if os.path.exists(f"/proc/{p}")]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--prefill-tensor-parallel-size", "2"), "size the pools of --num-prefill/--num-decode"),
+    (("--num-decode", "2", "--decode-tensor-parallel-size", "0"), "must be a positive integer"),
+    (("--num-decode", "2", "--data-parallel-size", "2"), "does not combine with --num-prefill/--num-decode"),
+])
+def test_pool_flags_that_cannot_work_are_refused_at_start(model_dir, flags, message):
+    import sys
+
+    cmd = [sys.executable, "-m", "hf_paged.cli", "serve", str(model_dir), "--port", "9", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
