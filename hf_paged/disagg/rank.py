@@ -74,11 +74,9 @@ class RankTransfers:
 
 
 def main(spec: str) -> int:
-    from ..engine import Engine
+    from ..engine import Engine, rank_liveness
     from ..model_source import ModelFromPath
     from ..worker import bound_cpu_kernel_caches
-
-    from ..engine import rank_liveness
 
     rank_liveness.beat_to_parent()
     settings = json.loads(spec)

@@ -70,7 +70,6 @@ class RankWatch:
     def __init__(self, procs: list[subprocess.Popen], read_fds: list[int], timeout: float):
         self.procs = procs
         self.timeout = timeout
-        self.lost: str | None = None  # why the ranks were ended, once they were
         self._fds = dict(zip(read_fds, range(1, len(read_fds) + 1)))  # fd -> rank
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hf_paged-rank-watch", daemon=True)
@@ -104,7 +103,6 @@ class RankWatch:
     def _lose(self, why: str) -> None:
         if self._stopped.is_set():
             return
-        self.lost = why
         logger.error("hf_paged: %s; ending every started rank, so that rank 0's collectives fail now", why)
         for proc in self.procs:
             if proc.poll() is None:

@@ -19,6 +19,7 @@ import sys
 
 from ..engine import rank_liveness
 
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
