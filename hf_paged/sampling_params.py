@@ -81,6 +81,11 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when decoding `.text`.
         num_speculative_tokens: tokens drafted per step for this request when the engine speculates
             (None: the engine's setting; 0: no speculation for this request).
+        batch_processor: a `worker.sampler.BatchProcessor` shared by the requests of one batch (a drop-in
+            `generate` call's `logits_processor` / `prefix_allowed_tokens_fn`): the engine samples those
+            requests in lockstep, and hands it their logits, in the batch's row order, after the
+            processors above and before temperature, top-k, top-p and min-p (transformers' place for a
+            caller's processors). Such a request is never speculated on.
 
     The processing order is transformers' own: logit bias, repetition penalty (then presence and
     frequency, as vLLM orders its penalties), n-gram and bad-word bans, the `min_new_tokens` mask, then
@@ -112,6 +117,7 @@ class SamplingParams:
     output_logits: bool = False
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None
+    batch_processor: object | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -197,5 +203,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.batch_processor is not None and not callable(self.batch_processor):
+            raise TypeError(f"batch_processor must be a callable BatchProcessor, got {type(self.batch_processor).__name__}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")

@@ -28,10 +28,11 @@ from ..hf import KVOwner
 from ..sampling_params import SamplingParams
 from ..spec_decode import ProposalRequest, verify_greedy
 from ..worker import Chunk
-from ..worker.sampler import SampleRow, Sampler, SamplerOutput
+from ..worker.sampler import BatchProcessorError, SampleRow, Sampler, SamplerOutput
 from ..worker.sampling import SamplingState, sample_seed
 from .executor import Executor, ExecutorLostError, ExecutorStep
 from .images import ImageQueue
+from .lockstep import MAX_LOCKSTEP_WAITS, Lockstep, LockstepError
 from .metrics import EngineMetrics, RequestMetrics
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamEvent
@@ -89,6 +90,7 @@ class EngineCore:
         self._updates: dict[str, TrackedRequest] = {}
         self._consecutive_failed_steps = 0
         self.images = ImageQueue(executor, lambda: scheduler.max_num_batched_tokens, self.metrics, self.fail)
+        self.lockstep = Lockstep()  # batch processors' rows sample together
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[TrackedRequest]:
@@ -178,9 +180,15 @@ class EngineCore:
         call raises (each request is then sampled alone in `_update`). `work`: the step's forward,
         whose chunks (one per scheduled entry, in order) say how many logits rows each entry has."""
         plans, rows, index, row = [], [], [], 0
+        deferred = self._lockstep_deferred(sched, work)
         for entry, chunk in zip(sched.scheduled, work.chunks):
             n = chunk.num_logits
             if not n:
+                continue
+            if entry.request.request_id in deferred:  # its batch samples together, in a later step
+                if entry.request.request_id in self.requests:  # (not ended for waiting too long)
+                    self.scheduler.rollback(entry.request, 1)
+                row += n
                 continue
             tracked = self.requests[entry.request.request_id]
             first_sample = row + n - 1 - len(entry.draft_token_ids)
@@ -190,32 +198,65 @@ class EngineCore:
                 states = [tracked.state] + ([self._fork_state(tracked, j) for j in range(1, group.n)]
                                             if not group.forked else [])
                 drafts = entry.draft_token_ids
+                first_row = tracked.index * group.n + (tracked.sample_index if group.forked else 0)
                 for j in range(len(drafts) + 1):
-                    for state in states:
-                        rows.append(SampleRow(state, tuple(drafts[:j])))
+                    for k, state in enumerate(states):
+                        rows.append(SampleRow(state, tuple(drafts[:j]), first_row + k))
                         index.append(first_sample + j)
                         num_rows += 1
             plans.append((tracked, entry, row, n, len(rows) - num_rows, num_rows))
             row += n
-        result = None
+        result, failed_batch = None, None
         began = time.perf_counter()
         try:
             if rows:
                 # Every row at once, NaN rows included: the sampler flags them (their tokens are dropped
                 # below) and reads the flags back with the tokens, the step's one wait for the device.
                 result = self.sampler(self.sampler.take_rows(logits, index), rows, check_nan=True)
+        except BatchProcessorError as exc:  # a caller's processor: its batch ends with its error
+            failed_batch = exc
         except Exception:
             logger.warning("hf_paged: batched sampling failed; sampling each request alone", exc_info=True)
             self.metrics.num_failed_steps += 1
-            result = None
         self.metrics.sampler_seconds += time.perf_counter() - began
-        return _StepSamples(plans, rows, index, result, _nan_rows(logits, index, result) if plans else [])
+        return _StepSamples(plans, rows, index, result, _nan_rows(logits, index, result) if plans else [],
+                            failed_batch)
+
+    def _lockstep_deferred(self, sched: SchedulerOutput, work: ExecutorStep) -> set[str]:
+        """The step's sampling requests whose batch processor's batch does not sample whole in this
+        step (`lockstep.py`); a batch that waited too long ends with an error here."""
+        sampling = {}
+        for entry, chunk in zip(sched.scheduled, work.chunks):
+            processor = self.requests[entry.request.request_id].params.batch_processor
+            if processor is not None and chunk.num_logits and entry.samples:
+                sampling[entry.request.request_id] = processor
+        if not sampling:
+            return set()
+        live = {rid: t.params.batch_processor for rid, t in self.requests.items()
+                if t.params.batch_processor is not None and t.finish_reason is None}
+        deferred, stuck = self.lockstep.deferred(sampling, live)
+        for processor in stuck:
+            error = LockstepError(f"the rows of a batch processor could not sample in the same step for "
+                                  f"{MAX_LOCKSTEP_WAITS} steps (a row could not be scheduled with the others)")
+            for tracked in [t for t in self.requests.values() if t.params.batch_processor is processor]:
+                self.fail(tracked, error)
+        return deferred
 
     # ------------------------------------------------------------------ update
     def _update(self, sched: SchedulerOutput, logits: torch.Tensor, samples: "_StepSamples") -> None:
         """Commit each request's tokens, one at a time: a request that fails here is rolled back alone."""
         now = time.perf_counter()
         for tracked, entry, start, n, first_row, num_rows in samples.plans:
+            processor = tracked.params.batch_processor
+            if processor is not None and entry.samples and samples.result is None:
+                # Its batch's processor runs once per step over the whole batch, never on one row again.
+                failed = samples.failed_batch
+                error = (failed.error if failed is not None and failed.processor is processor
+                         else RequestError("batched sampling failed for a request with a batch processor"))
+                if tracked.request.status == RequestStatus.RUNNING:
+                    self.scheduler.rollback(tracked.request, tracked.request.num_computed_tokens - entry.start)
+                self.fail(tracked, error)
+                continue
             try:
                 if any(samples.has_nan[start:start + n]):
                     raise RequestError(f"the model produced NaN logits for request {tracked.public_id!r}")
@@ -463,6 +504,8 @@ class EngineCore:
     # ------------------------------------------------------------------ speculative decoding
     def _num_drafts_for(self, tracked: TrackedRequest) -> int:
         request, params = tracked.request, tracked.params
+        if params.batch_processor is not None:
+            return 0  # a caller's processors see each position once, as in stock's loop
         k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
         # Never draft past what the request may still generate (the last token comes from the target).
         room = min(params.max_new_tokens - request.num_output_tokens, self.max_model_len - len(request.token_ids))
@@ -556,8 +599,9 @@ class _StepSamples:
     """What `_sample` drew for the step, and how its rows map back to the requests."""
 
     def __init__(self, plans: list, rows: list[SampleRow], index: list[int], result: SamplerOutput | None,
-                 has_nan: list[bool]):
+                 has_nan: list[bool], failed_batch: BatchProcessorError | None = None):
         self.plans, self.rows, self.index, self.result, self.has_nan = plans, rows, index, result, has_nan
+        self.failed_batch = failed_batch  # the batch processor that raised (its requests end with its error)
 
 
 def _nan_rows(logits: torch.Tensor, index: list[int], result: SamplerOutput | None) -> list[bool]:

@@ -30,7 +30,8 @@ The generation config is merged exactly as stock merges it (the model's `generat
 transformers' defaults such as `top_k=50`, the call's keywords, stock's length rules) and mapped field
 by field (`generation_config.py`). Anything the engine does not reproduce exactly returns None from
 `try_engine_generate`, and `generate` runs stock transformers with a `PagedCache` instead: beam search,
-attentions / hidden-states outputs, custom logits processors, a cache passed in (other than a
+attentions / hidden-states outputs, a caller's logits processors together with an assistant model, scores or
+images (alone they run in the engine: `logits_processors.py`), a cache passed in (other than a
 `ReturnedCache` whose columns the call extends), `inputs_embeds`, a processor the engine lacks, multi-token `sequence_bias`, settings stock
 rejects (greedy or assisted `num_return_sequences > 1`: stock raises its own error), and the two cases
 where stock's processors see the left padding as tokens (`_padding_visible_to_processors`). Set
@@ -48,7 +49,7 @@ import weakref
 import warnings
 
 import torch
-from transformers import GenerationConfig, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..config import PagedCacheConfig, check_pool_fits
@@ -60,6 +61,7 @@ from ..hf.multimodal import ImageSupport
 from ..hf.support import has_latent_kv
 from .images import expanded_images, image_data_of, image_side_inputs, row_prompts
 from .returned_cache import ReturnedCache
+from .logits_processors import StockProcessors, call_processors
 from .stock_scores import output_vocab_size, stock_processors, stock_rows_after_finish
 from .shared_prompts import generate_rows
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
@@ -99,6 +101,7 @@ class EngineCall:
     image_data: dict | None = None  # the call's image inputs (`pixel_values` of every row's images, ...)
     image_support: ImageSupport | None = None  # the model's, with `image_data`
     row_images: list = dataclasses.field(default_factory=list)  # per row, its `ImageItem`s (None: text only)
+    processors: LogitsProcessorList | None = None  # the call's own (`logits_processors.py`), run in lockstep
 
     def prompts(self, engine: Engine) -> list:
         """What the engine is given per row: its tokens, or with the call's images, the vLLM-style dict
@@ -140,6 +143,16 @@ class EngineCall:
     def spec_kwargs(self) -> dict:
         return speculative_kwargs(self.gc, self.assistant)
 
+    def run_params(self):
+        """The sampling params of one run: with the call's own processors, a fresh `StockProcessors`
+        over stock's `input_ids` (it grows a column per step), and no speculation."""
+        if self.processors is None:
+            return self.params
+        n = self.params.n
+        ids = self.input_ids.repeat_interleave(n, dim=0) if n > 1 else self.input_ids
+        return dataclasses.replace(self.params, batch_processor=StockProcessors(self.processors, ids, self.pad),
+                                   num_speculative_tokens=0)
+
 
 def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: Engine | None = None):
     """Run `model.generate(inputs, generation_config, **kwargs)` through an `Engine` (the model's, or
@@ -162,7 +175,7 @@ def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: 
 
 def _run_call(call: EngineCall, engine: Engine):
     """Run a planned call on `engine`: what stock `generate` returns, or None when stock must serve it."""
-    passed, rows, params = call.passed, call.rows, call.params
+    passed, rows, params = call.passed, call.rows, call.run_params()
     prefixes = passed.continuation_prefixes(engine, call.input_ids, call.attention_mask, rows) if passed else None
     try:
         try:
@@ -176,7 +189,7 @@ def _run_call(call: EngineCall, engine: Engine):
             samples, request_ids = _run_stepwise(engine, prompts, params, call.input_ids, call.pad, call.streamer,
                                                  call.criteria, prefixes, call.retain)
             metrics = engine.metrics()
-        elif call.retain or prefixes is not None or call.image_data is not None:
+        elif call.retain or prefixes is not None or call.image_data is not None or call.processors is not None:
             outputs = engine.generate(prompts, params, kv_prefixes=prefixes, retain_kv=call.retain)
             metrics = engine.metrics()
             _raise_first_error(call.model, metrics, [out.outputs for out in outputs])
@@ -252,7 +265,7 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     if image_side is None:
         return None
     unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - set(image_data or ()) - image_side - {
-        "assistant_model", "streamer", "stopping_criteria", "tokenizer"}
+        "assistant_model", "streamer", "stopping_criteria", "tokenizer", "logits_processor", "prefix_allowed_tokens_fn"}
     if "synced_gpus" in kwargs and not kwargs["synced_gpus"]:
         unknown.discard("synced_gpus")
     if kwargs.get("synced_gpus") is None and _synced_by_default(model):
@@ -316,6 +329,11 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
             logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
             return None
+    processors = None
+    if kwargs.get("logits_processor") is not None or kwargs.get("prefix_allowed_tokens_fn") is not None:
+        processors = _call_processors(model, gc, kwargs, params, attention_mask, width, assistant, image_data)
+        if processors is False:
+            return None
     streamer = kwargs.get("streamer")
     criteria = None
     if kwargs.get("stopping_criteria") or gc.stop_strings or gc.max_time is not None:
@@ -343,19 +361,58 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
     call = EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
                       rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
                       streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data,
-                      image_support=image_support)
+                      image_support=image_support, processors=processors)
+    if processors is not None and not _holds_every_row(call):
+        # Lockstep needs every row running at once: a pool the caller capped may not hold them all.
+        logger.debug("hf_paged: stock generate serves this call (its processors, and a pool too small for every row)")
+        return None
     if "mm_token_type_ids" in image_side and call.retain:
         # A returned cache turns dense with 1-D positions (`ReturnedCache.to_dense`): not Qwen-VL's 3-D ones.
         logger.debug("hf_paged: stock generate serves this call (a returned cache of M-RoPE images)")
         return None
     if tensor_parallel_group(model) is not None and (
             call.retain or passed is not None or streamer is not None or criteria is not None or assistant is not None
-            or image_data is not None):
+            or image_data is not None or processors is not None):
         # Rank 0 alone runs a tensor-parallel call and hands the other ranks its result: returned caches,
         # streamers, a caller's stopping criteria and images stay with stock, which every rank runs.
         logger.debug("hf_paged: stock generate serves this tensor-parallel call (cache, streamer, criteria, images)")
         return None
     return call
+
+
+def _call_processors(model, gc, kwargs: dict, params, attention_mask, width: int, assistant, image_data):
+    """The call's `logits_processor` / `prefix_allowed_tokens_fn` as one list for the engine (None: both
+    empty), or False when stock must serve the call with them."""
+    given = kwargs.get("logits_processor")
+    if given is not None and not isinstance(given, list):  # stock raises its own error
+        return False
+    processors = call_processors(given, kwargs.get("prefix_allowed_tokens_fn"), gc)
+    if processors is None:
+        return None
+    if assistant is not None or params.output_scores or params.output_logits or image_data is not None:
+        # Stock runs them on every draft position (assisted), and on finished rows' pad-fed scores.
+        logger.debug("hf_paged: stock generate serves this call (processors with an assistant, scores or images)")
+        return False
+    try:
+        built_in = {type(p) for p in stock_processors(model, gc, attention_mask.long(), width, attention_mask.device)}
+    except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
+        logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
+        return False
+    if any(type(p) in built_in for p in given or ()):
+        # Stock replaces its own processor of the same type by the caller's, in its place in the list.
+        logger.debug("hf_paged: stock generate serves this call (a processor of the same type as a built-in one)")
+        return False
+    return processors
+
+
+def _holds_every_row(call: EngineCall) -> bool:
+    """Whether the call's pool holds every row at full length at once (no preemption can split them)."""
+    kwargs = call.engine_kwargs()
+    if kwargs["max_kv_bytes"] is not None:
+        return False
+    cfg = getattr(call.model, "hf_paged_cache_config", None) or PagedCacheConfig()
+    needed = len(call.rows) * call.params.n * PagedCache(call.model.config, cfg).manager.max_blocks_for(call.max_len)
+    return kwargs["num_blocks"] is None or kwargs["num_blocks"] >= needed
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):

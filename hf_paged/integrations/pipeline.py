@@ -199,7 +199,7 @@ class EngineFeeder:
         except _Captured as captured:
             model, inputs, generation_config, args, kwargs = captured.call
             call = None if args else plan_engine_call(model, inputs, generation_config, kwargs)
-            if call is not None and (call.is_stepwise or call.passed is not None):
+            if call is not None and (call.is_stepwise or call.passed is not None or call.processors is not None):
                 call = None
             return _Batch(batch, call)
         return _Batch(batch, None, output=output)  # `forward` never reached generate: its output stands

@@ -35,7 +35,9 @@ Owns the maths from logits to tokens; it knows nothing of blocks, caches or sche
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -55,11 +57,41 @@ TOP_P_MARGIN = 1e-4
 
 @dataclass
 class SampleRow:
-    """One logits row to sample: the request's state, and the tokens drafted before this position
-    (a speculative verify row; empty otherwise)."""
+    """One logits row to sample: the request's state, the tokens drafted before this position (a
+    speculative verify row; empty otherwise), and, for a request with a `batch_processor`, its row in
+    that processor's batch."""
 
     state: SamplingState
     extra: tuple[int, ...] = ()
+    batch_row: int = 0
+
+    @property
+    def position(self) -> int:
+        return self.state.position + len(self.extra)
+
+
+class BatchProcessor(Protocol):
+    """Logits processing over the rows of one batch that the engine samples in lockstep
+    (`SamplingParams.batch_processor`; the drop-in `generate`'s `logits_processor` list).
+
+    Called once per step with every live row of the batch, in the batch's row order: `rows[i]` is
+    row i's index in the batch, `token_ids[i]` the engine's list of its tokens (prompt, then output:
+    the same list object for as long as the row lives, still readable after it ends) with
+    `num_prompt_tokens[i]` of them the prompt, and `scores[i]` its processed fp32 logits. Returns the
+    new scores, the same shape. Whatever it raises ends every request of the batch with that error."""
+
+    def __call__(self, rows: list[int], token_ids: list[list[int]], num_prompt_tokens: list[int],
+                 scores: torch.Tensor) -> torch.Tensor:  # [len(rows), vocab] fp32 -> the same
+        ...
+
+
+class BatchProcessorError(Exception):
+    """A batch processor raised `error`: every request of its batch ends with it."""
+
+    def __init__(self, processor, error: BaseException):
+        super().__init__(f"a batch processor raised {type(error).__name__}: {error}")
+        self.processor = processor
+        self.error = error
 
     @property
     def position(self) -> int:
@@ -151,6 +183,8 @@ class Sampler:
         # step of it is row-local and yields a valid id), and the caller drops its token.
         nan_rows = torch.isnan(logits.amax(dim=-1)) if check_nan else None  # [num_rows] bool
         self.process(logits, rows)
+        if with_outputs:
+            _apply_batch_processors(logits, rows)
         num_rows = len(rows)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         sampling = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -516,3 +550,27 @@ def sample_processed(processed: torch.Tensor, state: SamplingState, extra: tuple
     if state.params.is_greedy:
         return int(processed.argmax())
     return int(_draw(_Block([0], None, processed.float()[None]), [state.position + len(extra)], [state.seed])[0])
+
+
+def _apply_batch_processors(logits: torch.Tensor, rows: list[SampleRow]) -> None:
+    """Each batch processor of the rows, over its rows' logits (in batch-row order), in place."""
+    batches: dict[int, tuple[object, list[int]]] = {}
+    for i, r in enumerate(rows):
+        processor = r.state.params.batch_processor
+        if processor is not None:
+            batches.setdefault(id(processor), (processor, []))[1].append(i)
+    for processor, members in batches.values():
+        members.sort(key=lambda i: rows[i].batch_row)
+        index = _index(members, logits.device)
+        states = [rows[i].state for i in members]
+        try:
+            out = processor([rows[i].batch_row for i in members], [st.token_ids for st in states],
+                            [st.num_prompt_tokens for st in states], logits.index_select(0, index))
+            if not torch.is_tensor(out) or tuple(out.shape) != (len(members), logits.shape[-1]):
+                raise ValueError(f"a batch processor must return scores of shape {(len(members), logits.shape[-1])}, "
+                                 f"got {tuple(out.shape) if torch.is_tensor(out) else type(out).__name__}")
+        except Exception as exc:
+            raise BatchProcessorError(processor, exc) from exc
+        out = out.to(device=logits.device, dtype=logits.dtype).nan_to_num(nan=-FP32_MAX, posinf=FP32_MAX,
+                                                                            neginf=-math.inf)
+        logits.index_copy_(0, index, out)

@@ -127,7 +127,7 @@ def _plain(records):
 
 
 def test_batches_the_engine_cannot_queue_run_in_order_with_stocks_result(model, tokenizer, feeders):
-    """A stop sequence (stopping criteria see every step) or a stock-only argument: such batches run
+    """A stop sequence (stopping criteria see every step) or a caller's logits processor: such batches run
     when every batch before them is out, still giving the sdpa pipeline's records."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper
 

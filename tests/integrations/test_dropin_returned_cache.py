@@ -167,7 +167,7 @@ def test_anything_else_turns_it_into_stocks_dense_cache():
         out = m.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
         custom_ids, custom_mask = _extend(out, mask, new)
         custom = m.generate(custom_ids, attention_mask=custom_mask, max_new_tokens=4, cache=out.cache, **GEN,
-                           logits_processor=LogitsProcessorList([_Halve()]))  # a processor only stock runs
+                           logits_processor=LogitsProcessorList([_Halve()]))  # a processor: run in lockstep
         out2 = m.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
         with torch.no_grad():
             step = m(input_ids=new[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], 1),
