@@ -3,9 +3,9 @@
     step = schedule (core.scheduler, drafts first) -> execute (executor.py: one packed forward)
            -> sample (one batched sampler call over every row) -> update (commit tokens, finish)
 
-It owns the scheduler, the executor, the KV owner (`hf.KVOwner`), the sampler, the draft proposer
-and the registry of live requests. It knows no text and no tokenizer: text, stop strings, events and
-outputs are the output processor's (`output_processor.py`), called at fixed points of `update`.
+It owns the scheduler, the executor, the KV owner (`hf.KVOwner`), the sampler, the drafter
+(`drafting.py`), the lockstep of batch processors' rows (`lockstep.py`) and the registry of live
+requests. It knows no text and no tokenizer: text, stop strings, events and outputs are the output processor's (`output_processor.py`), called at fixed points of `update`.
 A step either commits or leaves no trace: a failure before the forward wrote the K/V requeues the
 step's requests; one after it rolls back the request it concerns alone.
 
@@ -26,13 +26,14 @@ from ..attention import UnsupportedModelError
 from ..core import KVSequence, Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from ..hf import KVOwner
 from ..sampling_params import SamplingParams
-from ..spec_decode import ProposalRequest, verify_greedy
+from ..spec_decode import verify_greedy
 from ..worker import Chunk
 from ..worker.sampler import BatchProcessorError, SampleRow, Sampler, SamplerOutput
 from ..worker.sampling import SamplingState, sample_seed
 from .executor import Executor, ExecutorLostError, ExecutorStep
+from .drafting import Drafter
 from .images import ImageQueue
-from .lockstep import MAX_LOCKSTEP_WAITS, Lockstep, LockstepError
+from .lockstep import Lockstep
 from .metrics import EngineMetrics, RequestMetrics
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamEvent
@@ -73,13 +74,11 @@ class EngineCore:
         self.kv = kv
         self.outputs = outputs
         self.sampler = Sampler()
-        self.proposer = proposer
-        self.num_speculative_tokens = num_speculative_tokens
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
         self.fingerprint = fingerprint
         self.metrics = EngineMetrics()
+        self.drafter = Drafter(proposer, num_speculative_tokens, vocab_size=vocab_size, metrics=self.metrics)
         self.requests: dict[str, TrackedRequest] = {}  # live requests (and samples), registered before queued
         self.groups: dict[str, RequestGroup] = {}  # live requests by the id the caller knows
         self.finished_groups: dict[str, RequestGroup] = {}  # retain_kv requests until `kept_kv` collects
@@ -122,8 +121,7 @@ class EngineCore:
             # runs (the fingerprint reads a checksum from the device: no step pays for it in vain).
             if self.scheduler.waiting and len(self.scheduler.running) < self.scheduler.max_num_seqs:
                 self.note_weights()
-            if self.proposer is not None:
-                self._propose()
+            self.drafter.propose(self.scheduler.running, self.requests, self.max_model_len)
             sched = self.scheduler.schedule()
             self.metrics.schedule_seconds += time.perf_counter() - began
             self.metrics.peak_kv_blocks = max(self.metrics.peak_kv_blocks, self.kv.num_used_blocks)
@@ -224,22 +222,16 @@ class EngineCore:
 
     def _lockstep_deferred(self, sched: SchedulerOutput, work: ExecutorStep) -> set[str]:
         """The step's sampling requests whose batch processor's batch does not sample whole in this
-        step (`lockstep.py`); a batch that waited too long ends with an error here."""
-        sampling = {}
-        for entry, chunk in zip(sched.scheduled, work.chunks):
-            processor = self.requests[entry.request.request_id].params.batch_processor
-            if processor is not None and chunk.num_logits and entry.samples:
-                sampling[entry.request.request_id] = processor
-        if not sampling:
+        step (`lockstep.py`); a batch that waited too long ends with a `LockstepError` here."""
+        sampling = {e.request.request_id: self.requests[e.request.request_id].params.batch_processor
+                    for e, chunk in zip(sched.scheduled, work.chunks) if chunk.num_logits and e.samples}
+        if not any(sampling.values()):
             return set()
-        live = {rid: t.params.batch_processor for rid, t in self.requests.items()
-                if t.params.batch_processor is not None and t.finish_reason is None}
-        deferred, stuck = self.lockstep.deferred(sampling, live)
-        for processor in stuck:
-            error = LockstepError(f"the rows of a batch processor could not sample in the same step for "
-                                  f"{MAX_LOCKSTEP_WAITS} steps (a row could not be scheduled with the others)")
-            for tracked in [t for t in self.requests.values() if t.params.batch_processor is processor]:
-                self.fail(tracked, error)
+        with self.registry_lock:  # intake threads register requests while a step runs
+            live = {rid: t.params.batch_processor for rid, t in self.requests.items() if t.finish_reason is None}
+        deferred, ended = self.lockstep.deferred(sampling, live)
+        for request_id, error in ended.items():
+            self.fail(self.requests[request_id], error)
         return deferred
 
     # ------------------------------------------------------------------ update
@@ -247,17 +239,10 @@ class EngineCore:
         """Commit each request's tokens, one at a time: a request that fails here is rolled back alone."""
         now = time.perf_counter()
         for tracked, entry, start, n, first_row, num_rows in samples.plans:
-            processor = tracked.params.batch_processor
-            if processor is not None and entry.samples and samples.result is None:
-                # Its batch's processor runs once per step over the whole batch, never on one row again.
-                failed = samples.failed_batch
-                error = (failed.error if failed is not None and failed.processor is processor
-                         else RequestError("batched sampling failed for a request with a batch processor"))
-                if tracked.request.status == RequestStatus.RUNNING:
-                    self.scheduler.rollback(tracked.request, tracked.request.num_computed_tokens - entry.start)
-                self.fail(tracked, error)
-                continue
             try:
+                if tracked.params.batch_processor is not None and entry.samples and samples.result is None:
+                    # Its batch's processor runs once per step over the whole batch, never on one row again.
+                    raise samples.batch_failure(tracked.params.batch_processor)
                 if any(samples.has_nan[start:start + n]):
                     raise RequestError(f"the model produced NaN logits for request {tracked.public_id!r}")
                 if tracked.params.prompt_logprobs is not None:
@@ -393,8 +378,7 @@ class EngineCore:
         if kept is not None and self.kv.keep(kept, len(tracked.request.token_ids) - 1):
             # The K/V of every token fed to the model: all but the last sampled one.
             tracked.group.kept[tracked.sample_index] = kept
-        if self.proposer is not None:
-            self.proposer.free(tracked.request.request_id)
+        self.drafter.free(tracked.request.request_id)
         tracked.finish_reason = reason
         tracked.metrics.finished_time = time.perf_counter()
         self.metrics.on_finished(tracked.metrics, reason)
@@ -456,6 +440,9 @@ class EngineCore:
         if request.status == RequestStatus.RUNNING:
             self.scheduler.rollback(request, request.num_computed_tokens - entry.start)
         tracked.num_failures += 1
+        if isinstance(exc, BatchProcessorError):  # the caller's processor raised: the caller's error, at once
+            exc = exc.error
+            tracked.num_failures = MAX_STEP_FAILURES
         fatal = isinstance(exc, RequestError) or tracked.num_failures >= MAX_STEP_FAILURES
         if not fatal:
             try:
@@ -498,46 +485,7 @@ class EngineCore:
     def _note_preempted(self, tracked: TrackedRequest) -> None:
         tracked.metrics.num_preemptions += 1
         self.metrics.num_preemptions += 1
-        if self.proposer is not None:
-            self.proposer.free(tracked.request.request_id)
-
-    # ------------------------------------------------------------------ speculative decoding
-    def _num_drafts_for(self, tracked: TrackedRequest) -> int:
-        request, params = tracked.request, tracked.params
-        if params.batch_processor is not None:
-            return 0  # a caller's processors see each position once, as in stock's loop
-        k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        # Never draft past what the request may still generate (the last token comes from the target).
-        room = min(params.max_new_tokens - request.num_output_tokens, self.max_model_len - len(request.token_ids))
-        return max(0, min(k, room - 1))
-
-    def _propose(self) -> None:
-        """Ask the proposer for drafts. If it raises, this step runs without any, and every request's
-        draft state is dropped (the proposer starts afresh from the committed tokens)."""
-        asks = []
-        for request in self.scheduler.running:
-            if request.num_pending_tokens != 1:
-                continue  # still in prefill
-            tracked = self.requests[request.request_id]
-            if not tracked.group.forked:
-                continue  # its first token is drawn once per sample from one row: no drafts
-            k = self._num_drafts_for(tracked)
-            if k > 0:
-                asks.append(ProposalRequest(request.request_id, request.token_ids, k, tracked.state))
-        if not asks:
-            return
-        try:
-            proposals = self.proposer.propose(asks)
-        except Exception:
-            logger.warning("hf_paged: the draft proposer failed; this step runs without drafts", exc_info=True)
-            self.metrics.num_failed_steps += 1
-            for request in self.scheduler.running:
-                self.proposer.free(request.request_id)
-            return
-        for ask, proposal in zip(asks, proposals):
-            drafts = proposal.token_ids[: ask.num_tokens]
-            valid = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), len(drafts))
-            self.requests[ask.request_id].request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger
+        self.drafter.free(tracked.request.request_id)
 
     # ------------------------------------------------------------------ bookkeeping
     def _note_admissions(self, sched: SchedulerOutput, now: float) -> None:
@@ -602,6 +550,14 @@ class _StepSamples:
                  has_nan: list[bool], failed_batch: BatchProcessorError | None = None):
         self.plans, self.rows, self.index, self.result, self.has_nan = plans, rows, index, result, has_nan
         self.failed_batch = failed_batch  # the batch processor that raised (its requests end with its error)
+
+    def batch_failure(self, processor) -> BatchProcessorError:
+        """Why a request of `processor`'s batch got no sample: its processor raised, or the batched
+        sampler failed for another reason (a batch processor is never run on one row alone)."""
+        if self.failed_batch is not None and self.failed_batch.processor is processor:
+            return self.failed_batch
+        return BatchProcessorError(processor, RequestError("batched sampling failed for a request with a batch "
+                                                           "processor"))
 
 
 def _nan_rows(logits: torch.Tensor, index: list[int], result: SamplerOutput | None) -> list[bool]:

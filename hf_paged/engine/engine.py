@@ -386,7 +386,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
 
     @property
     def proposer(self):
-        return self.core.proposer
+        return self.core.drafter.proposer
 
     @property
     def sampler(self):
@@ -412,7 +412,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self.core.num_speculative_tokens
+        return self.core.drafter.num_speculative_tokens
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:

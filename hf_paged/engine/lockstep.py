@@ -29,30 +29,29 @@ class Lockstep:
     def __init__(self):
         self._waits: dict[int, int] = {}  # id(batch processor) -> consecutive deferred steps
 
-    def deferred(self, sampling: dict[str, object], live: dict[str, object]) -> tuple[set[str], list[object]]:
-        """`sampling`: request id -> batch processor of the step's sampling requests that have one;
-        `live`: the same for every live request. Returns the ids to defer this step, and the batch
-        processors that waited too long (their requests must end)."""
-        present: dict[int, set[str]] = {}
-        processors: dict[int, object] = {}
+    def deferred(self, sampling: dict[str, object | None], live: dict[str, object | None]
+                 ) -> tuple[set[str], dict[str, LockstepError]]:
+        """`sampling`: request id -> batch processor (or None) of the step's sampling requests; `live`:
+        the same for every live request. Returns the ids to defer this step, and the requests to end:
+        those of a batch that waited `MAX_LOCKSTEP_WAITS` steps in a row, with the error to end them."""
+        present: dict[int, set[str]] = {}  # id(batch processor) -> its requests sampling in this step
         for rid, processor in sampling.items():
-            present.setdefault(id(processor), set()).add(rid)
-            processors[id(processor)] = processor
-        members: dict[int, set[str]] = {}
+            if processor is not None:
+                present.setdefault(id(processor), set()).add(rid)
+        members: dict[int, set[str]] = {}  # id(batch processor) -> its live requests
         for rid, processor in live.items():
-            if id(processor) in present:
+            if processor is not None and id(processor) in present:
                 members.setdefault(id(processor), set()).add(rid)
-        deferred, stuck = set(), []
+        deferred, ended, waits = set(), {}, {}
         for key, ids in present.items():
             if ids == members.get(key, set()):
-                self._waits.pop(key, None)
-                continue
-            self._waits[key] = self._waits.get(key, 0) + 1
-            if self._waits[key] > MAX_LOCKSTEP_WAITS:
-                self._waits.pop(key)
-                stuck.append(processors[key])
+                continue  # the whole batch samples: its wait is over
+            waits[key] = self._waits.get(key, 0) + 1
+            if waits[key] > MAX_LOCKSTEP_WAITS:
+                del waits[key]
+                error = LockstepError(f"the rows of a batch processor could not sample in the same step for "
+                                      f"{MAX_LOCKSTEP_WAITS} steps (a row could not be scheduled with the others)")
+                ended.update(dict.fromkeys(members[key], error))
             deferred |= ids
-        return deferred, stuck
-
-    def forget(self, processor) -> None:
-        self._waits.pop(id(processor), None)
+        self._waits = waits  # a batch that did not wait in this step (or ended) starts afresh
+        return deferred, ended

@@ -61,7 +61,7 @@ from ..hf.multimodal import ImageSupport
 from ..hf.support import has_latent_kv
 from .images import expanded_images, image_data_of, image_side_inputs, row_prompts
 from .returned_cache import ReturnedCache
-from .logits_processors import StockProcessors, call_processors
+from .logits_processors import StockProcessors, plan_processors, pool_holds_rows
 from .stock_scores import output_vocab_size, stock_processors, stock_rows_after_finish
 from .shared_prompts import generate_rows
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
@@ -331,7 +331,7 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
             return None
     processors = None
     if kwargs.get("logits_processor") is not None or kwargs.get("prefix_allowed_tokens_fn") is not None:
-        processors = _call_processors(model, gc, kwargs, params, attention_mask, width, assistant, image_data)
+        processors = plan_processors(model, gc, kwargs, params, attention_mask, width, assistant, image_data)
         if processors is False:
             return None
     streamer = kwargs.get("streamer")
@@ -362,7 +362,8 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
                       rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
                       streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data,
                       image_support=image_support, processors=processors)
-    if processors is not None and not _holds_every_row(call):
+    if processors is not None and not pool_holds_rows(call.model, call.engine_kwargs(), len(call.rows) * call.params.n,
+                                                      call.max_len):
         # Lockstep needs every row running at once: a pool the caller capped may not hold them all.
         logger.debug("hf_paged: stock generate serves this call (its processors, and a pool too small for every row)")
         return None
@@ -378,41 +379,6 @@ def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCa
         logger.debug("hf_paged: stock generate serves this tensor-parallel call (cache, streamer, criteria, images)")
         return None
     return call
-
-
-def _call_processors(model, gc, kwargs: dict, params, attention_mask, width: int, assistant, image_data):
-    """The call's `logits_processor` / `prefix_allowed_tokens_fn` as one list for the engine (None: both
-    empty), or False when stock must serve the call with them."""
-    given = kwargs.get("logits_processor")
-    if given is not None and not isinstance(given, list):  # stock raises its own error
-        return False
-    processors = call_processors(given, kwargs.get("prefix_allowed_tokens_fn"), gc)
-    if processors is None:
-        return None
-    if assistant is not None or params.output_scores or params.output_logits or image_data is not None:
-        # Stock runs them on every draft position (assisted), and on finished rows' pad-fed scores.
-        logger.debug("hf_paged: stock generate serves this call (processors with an assistant, scores or images)")
-        return False
-    try:
-        built_in = {type(p) for p in stock_processors(model, gc, attention_mask.long(), width, attention_mask.device)}
-    except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
-        logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
-        return False
-    if any(type(p) in built_in for p in given or ()):
-        # Stock replaces its own processor of the same type by the caller's, in its place in the list.
-        logger.debug("hf_paged: stock generate serves this call (a processor of the same type as a built-in one)")
-        return False
-    return processors
-
-
-def _holds_every_row(call: EngineCall) -> bool:
-    """Whether the call's pool holds every row at full length at once (no preemption can split them)."""
-    kwargs = call.engine_kwargs()
-    if kwargs["max_kv_bytes"] is not None:
-        return False
-    cfg = getattr(call.model, "hf_paged_cache_config", None) or PagedCacheConfig()
-    needed = len(call.rows) * call.params.n * PagedCache(call.model.config, cfg).manager.max_blocks_for(call.max_len)
-    return kwargs["num_blocks"] is None or kwargs["num_blocks"] >= needed
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):

@@ -23,9 +23,17 @@ list, as stock places it.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
+
+from ..config import PagedCacheConfig
+from ..hf import PagedCache
+from .stock_scores import stock_processors
+
+logger = logging.getLogger(__name__)
 
 
 class StockProcessors:
@@ -87,3 +95,39 @@ def call_processors(logits_processor, prefix_allowed_tokens_fn, gc) -> LogitsPro
                                                            max(gc.num_beams, gc.num_return_sequences)))
     processors.extend(logits_processor or [])
     return processors or None
+
+
+def plan_processors(model, gc, kwargs: dict, params, attention_mask, width: int, assistant, image_data):
+    """The call's `logits_processor` / `prefix_allowed_tokens_fn` as one list for the engine (None: both
+    empty), or False when stock must serve the call with them."""
+    given = kwargs.get("logits_processor")
+    if given is not None and not isinstance(given, list):  # stock raises its own error
+        return False
+    processors = call_processors(given, kwargs.get("prefix_allowed_tokens_fn"), gc)
+    if processors is None:
+        return None
+    if assistant is not None or params.output_scores or params.output_logits or image_data is not None:
+        # Stock runs them on every draft position (assisted), and on finished rows' pad-fed scores.
+        logger.debug("hf_paged: stock generate serves this call (processors with an assistant, scores or images)")
+        return False
+    try:
+        built_in = {type(p) for p in stock_processors(model, gc, attention_mask.long(), width, attention_mask.device)}
+    except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
+        logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
+        return False
+    if any(type(p) in built_in for p in given or ()):
+        # Stock replaces its own processor of the same type by the caller's, in its place in the list.
+        logger.debug("hf_paged: stock generate serves this call (a processor of the same type as a built-in one)")
+        return False
+    return processors
+
+
+def pool_holds_rows(model, engine_kwargs: dict, num_rows: int, max_len: int) -> bool:
+    """Whether the engine that `engine_kwargs` build holds `num_rows` rows of `max_len` tokens at once:
+    lockstep needs every row of the call running together, and a pool the caller capped may not hold
+    them (preemption would split them)."""
+    if engine_kwargs["max_kv_bytes"] is not None:
+        return False
+    cfg = getattr(model, "hf_paged_cache_config", None) or PagedCacheConfig()
+    needed = num_rows * PagedCache(model.config, cfg).manager.max_blocks_for(max_len)
+    return engine_kwargs["num_blocks"] is None or engine_kwargs["num_blocks"] >= needed

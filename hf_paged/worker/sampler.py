@@ -93,10 +93,6 @@ class BatchProcessorError(Exception):
         self.processor = processor
         self.error = error
 
-    @property
-    def position(self) -> int:
-        return self.state.position + len(self.extra)
-
 
 @dataclass
 class TokenLogprobs:

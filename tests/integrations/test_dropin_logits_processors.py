@@ -123,3 +123,20 @@ def test_a_processor_of_a_built_in_type_goes_to_stock_which_replaces_its_own(eng
 def test_a_batch_processor_that_is_not_callable_is_refused():
     with pytest.raises(TypeError, match="batch_processor"):
         SamplingParams(batch_processor=3).validate()
+
+
+def test_lockstep_defers_a_partial_batch_and_ends_one_that_never_comes_together():
+    from hf_paged.engine.lockstep import MAX_LOCKSTEP_WAITS, Lockstep, LockstepError
+
+    a, b = object(), object()  # two batch processors; r3 has none
+    live = {"r0": a, "r1": a, "r2": b, "r3": None}
+    lockstep = Lockstep()
+    assert lockstep.deferred(dict(live), live) == (set(), {})  # every batch samples whole
+    for _ in range(MAX_LOCKSTEP_WAITS - 1):  # r1 never samples: r0 waits, b's batch is whole
+        assert lockstep.deferred({"r0": a, "r2": b, "r3": None}, live) == ({"r0"}, {})
+    assert lockstep.deferred(dict(live), live) == (set(), {})  # the batch came together: its wait starts afresh
+    for _ in range(MAX_LOCKSTEP_WAITS):
+        assert lockstep.deferred({"r0": a, "r2": b}, live) == ({"r0"}, {})
+    deferred, ended = lockstep.deferred({"r0": a, "r2": b}, live)
+    assert deferred == {"r0"} and set(ended) == {"r0", "r1"}  # the whole batch ends, the waiting row too
+    assert isinstance(ended["r1"], LockstepError) and "1000 steps" in str(ended["r1"])

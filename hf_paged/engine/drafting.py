@@ -1,0 +1,78 @@
+"""Speculative decoding's part of a step: how many tokens each request may draft, and the drafts.
+
+The engine core asks `Drafter.propose` before scheduling; the scheduler then schedules each running
+request's drafts (`Request.spec_token_ids`) with its next position, and the core verifies them
+(`spec_decode.verify_greedy`). Torch-free: the proposer (`spec_decode.make_proposer`) owns any model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from ..core import Request
+from ..spec_decode import ProposalRequest
+from .metrics import EngineMetrics
+from .tracked import TrackedRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Drafter:
+    """Owns the draft proposer (or None: no speculative decoding).
+
+    Args:
+        proposer, num_speculative_tokens: `spec_decode.make_proposer`'s.
+        vocab_size: the target model's (drafts outside its vocabulary are cut).
+        metrics: the engine's (a failed proposal counts as a failed step).
+    """
+
+    def __init__(self, proposer, num_speculative_tokens: int, *, vocab_size: int, metrics: EngineMetrics):
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.metrics = metrics
+
+    def num_drafts_for(self, tracked: TrackedRequest, max_model_len: int) -> int:
+        request, params = tracked.request, tracked.params
+        if params.batch_processor is not None:
+            return 0  # a caller's processors see each position once, as in stock's loop
+        k = self.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        # Never draft past what the request may still generate (the last token comes from the target).
+        room = min(params.max_new_tokens - request.num_output_tokens, max_model_len - len(request.token_ids))
+        return max(0, min(k, room - 1))
+
+    def propose(self, running: list[Request], requests: Mapping[str, TrackedRequest], max_model_len: int) -> None:
+        """Set each decoding request's drafts (never past `max_model_len`, the engine's current limit). If the proposer raises, this step runs without any, and
+        every request's draft state is dropped (the proposer starts afresh from the committed tokens)."""
+        if self.proposer is None:
+            return
+        asks = []
+        for request in running:
+            if request.num_pending_tokens != 1:
+                continue  # still in prefill
+            tracked = requests[request.request_id]
+            if not tracked.group.forked:
+                continue  # its first token is drawn once per sample from one row: no drafts
+            k = self.num_drafts_for(tracked, max_model_len)
+            if k > 0:
+                asks.append(ProposalRequest(request.request_id, request.token_ids, k, tracked.state))
+        if not asks:
+            return
+        try:
+            proposals = self.proposer.propose(asks)
+        except Exception:
+            logger.warning("hf_paged: the draft proposer failed; this step runs without drafts", exc_info=True)
+            self.metrics.num_failed_steps += 1
+            for request in running:
+                self.proposer.free(request.request_id)
+            return
+        for ask, proposal in zip(asks, proposals):
+            drafts = proposal.token_ids[: ask.num_tokens]
+            valid = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), len(drafts))
+            requests[ask.request_id].request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger
+
+    def free(self, request_id: str) -> None:
+        """Drop a finished or preempted request's draft state."""
+        if self.proposer is not None:
+            self.proposer.free(request_id)
