@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 import hf_paged  # noqa: F401  (the "hf_paged" attention and the generate / generate_batch patches)
-from hf_paged.integrations.optional import require
+from hf_paged.optional import require
 
 DATA = Path(__file__).resolve().parent / "data" / "capitals.jsonl"
 

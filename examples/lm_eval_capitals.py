@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import hf_paged  # noqa: F401  (registers "hf_paged" before lm-eval loads the model)
-from hf_paged.integrations.optional import require
+from hf_paged.optional import require
 
 DATA = Path(__file__).resolve().parent / "data" / "capitals.jsonl"
 TASKS = ["hfp_capitals_gen", "hfp_capitals_mc"]

@@ -11,7 +11,7 @@ Sub-packages, in dependency order (each imports only those before it; `config` i
 may use; `planner` and `defaults` stand apart; the fronts `serve` and `disagg` never import each
 other):
 
-    core -> attention -> hf -> worker -> spec_decode -> engine -> integrations -> {serve, disagg}
+    core -> attention -> hf -> structured -> worker -> spec_decode -> engine -> integrations -> {serve, disagg}
 """
 
 from .attention import ATTN_IMPLEMENTATION, paged_attention_forward
@@ -22,6 +22,7 @@ from .engine import AsyncEngine, Engine, EngineClosedError, RequestHandle, Reque
 from .hf import PagedCache, attach, detach, invalidate
 from .spec_decode import layer_skip_draft
 from .sampling_params import SamplingParams
+from .structured_outputs import StructuredOutputs
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StreamEvent",
+    "StructuredOutputs",
     "NoFreeBlocksError",
     "PagedCache",
     "PagedCacheConfig",

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .config import MAX_SPECULATIVE_TOKENS
+from .structured_outputs import StructuredOutputs
 
 LOGPROBS_MODES = ("processed", "raw")
 MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs
@@ -86,6 +87,9 @@ class SamplingParams:
             requests in lockstep, and hands it their logits, in the batch's row order, after the
             processors above and before temperature, top-k, top-p and min-p (transformers' place for a
             caller's processors). Such a request is never speculated on.
+        structured: a `StructuredOutputs` constraint (JSON schema, JSON object, regex, choice, grammar,
+            structural tag): tokens that would break it are masked after the processors above (needs
+            the engine's tokenizer and the `structured` extra). Drafts are checked against it too.
 
     The processing order is transformers' own: logit bias, repetition penalty (then presence and
     frequency, as vLLM orders its penalties), n-gram and bad-word bans, the `min_new_tokens` mask, then
@@ -118,6 +122,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     num_speculative_tokens: int | None = None
     batch_processor: object | None = None
+    structured: StructuredOutputs | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -205,5 +210,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.batch_processor is not None and not callable(self.batch_processor):
             raise TypeError(f"batch_processor must be a callable BatchProcessor, got {type(self.batch_processor).__name__}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise TypeError(f"structured must be a StructuredOutputs, got {type(self.structured).__name__}")
+            self.structured.validate()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")

@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_paged"
 
 # The serving stack, bottom to top: a sub-package may import only those before it (and itself).
-CHAIN = ["core", "attention", "hf", "worker", "spec_decode", "engine", "integrations"]
+CHAIN = ["core", "attention", "hf", "structured", "worker", "spec_decode", "engine", "integrations"]
 # The fronts, side by side above the chain: each may import the whole chain, none imports another, and
 # nothing in the chain imports them. `serve` (HTTP) fronts any `engine.EngineClient`: an `AsyncEngine`,
 # or `disagg`'s async client, which only the package front (`cli`) hands it; `parallel` starts tensor-parallel
@@ -27,7 +27,7 @@ FRONTS = ["disagg", "serve", "parallel"]
 # They stand apart: nothing of the chain imports them, and they import only the leaf `config`
 # (`defaults` uses the package only through transformers' public `attn_implementation` flag).
 APART = ["planner", "defaults"]
-LEAVES = {"config", "text", "sampling_params", "model_source"}  # import only each other; anyone may import them
+LEAVES = {"config", "text", "sampling_params", "structured_outputs", "model_source", "optional"}  # import only each other; anyone may import them
 TOP = {"__init__", "cli"}  # the public front: may import anything, imported by nobody below
 
 

@@ -290,6 +290,10 @@ class EngineCore:
             if reason is not None:
                 break
         kept, reason, deltas = self.outputs.cut(tracked, kept, reason)
+        grammar = tracked.state.grammar
+        if grammar is not None and not grammar.accept(kept):  # all or none: a rejection changes nothing
+            raise RequestError(f"request {tracked.public_id!r} drew tokens {kept} that its structured outputs "
+                               "constraint does not allow (its mask left no allowed token?)")
         # Committed from here on: nothing below raises for a well-formed request.
         for _ in kept:
             tracked.metrics.on_token(now)
@@ -329,9 +333,11 @@ class EngineCore:
         self.requests[tracked.request.request_id] = tracked
         self.groups[tracked.public_id] = tracked.group
 
-    def new_state(self, params: SamplingParams, seed: int, request: Request) -> SamplingState:
+    def new_state(self, params: SamplingParams, seed: int, request: Request, grammar=None) -> SamplingState:
+        """`grammar`: the request's fresh `structured.grammar.GrammarState`, with `params.structured`."""
         end_ids = ([] if params.ignore_eos else list(self.eos_token_ids)) + list(params.stop_token_ids)
-        return SamplingState(params, seed, request.token_ids, request.num_prompt_tokens, end_ids, self.eos_token_ids)
+        return SamplingState(params, seed, request.token_ids, request.num_prompt_tokens, end_ids, self.eos_token_ids,
+                             grammar)
 
     def add(self, tracked: TrackedRequest) -> None:
         """Queue a registered request (taking over its kept `kv_prefix` if that is still held)."""
@@ -506,7 +512,8 @@ class EngineCore:
     # ------------------------------------------------------------------ n samples
     def _fork_state(self, tracked: TrackedRequest, j: int) -> SamplingState:
         """Sample j's state for its first draw, before it exists as a request (the prompt so far)."""
-        return self.new_state(tracked.params, sample_seed(tracked.state.seed, j), tracked.request)
+        return self.new_state(tracked.params, sample_seed(tracked.state.seed, j), tracked.request,
+                              _fresh_grammar(tracked.state))
 
     def _fork_sample(self, parent: TrackedRequest, j: int, out: SamplerOutput, now: float) -> None:
         """Create sample j of `parent`'s request from its just computed prompt (sharing every block) and
@@ -524,7 +531,8 @@ class EngineCore:
             metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             seed = sample_seed(parent.state.seed, j)
             child = TrackedRequest(request, parent.params, metrics, self.outputs.fork_detokenizer(parent, prompt),
-                                   parent.inbox, parent.index, self.new_state(parent.params, seed, request),
+                                   parent.inbox, parent.index,
+                                   self.new_state(parent.params, seed, request, _fresh_grammar(parent.state)),
                                    parent.group, j)
             child.images, child.image_features = parent.images, parent.image_features
             self.requests[request_id] = child
@@ -558,6 +566,10 @@ class _StepSamples:
             return self.failed_batch
         return BatchProcessorError(processor, RequestError("batched sampling failed for a request with a batch "
                                                            "processor"))
+
+
+def _fresh_grammar(state: SamplingState):
+    return state.grammar.fresh() if state.grammar is not None else None
 
 
 def _nan_rows(logits: torch.Tensor, index: list[int], result: SamplerOutput | None) -> list[bool]:

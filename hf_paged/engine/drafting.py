@@ -70,7 +70,10 @@ class Drafter:
         for ask, proposal in zip(asks, proposals):
             drafts = proposal.token_ids[: ask.num_tokens]
             valid = next((i for i, t in enumerate(drafts) if not 0 <= t < self.vocab_size), len(drafts))
-            requests[ask.request_id].request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger
+            tracked = requests[ask.request_id]
+            if tracked.state.grammar is not None:  # a draft its grammar rejects is never verified
+                valid = tracked.state.grammar.valid_prefix(drafts[:valid])
+            tracked.request.spec_token_ids = drafts[:valid]  # a draft vocab may be larger
 
     def free(self, request_id: str) -> None:
         """Drop a finished or preempted request's draft state."""

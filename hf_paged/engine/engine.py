@@ -188,7 +188,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         self.kv = kv
         self._metrics = self.core.metrics
         self.intake = Intake(self.core, kv, self.outputs, tokenizer, self.tokenizer_lock, self.vocab_size,
-                             runner.image_support)
+                             runner.image_support, logits_width=getattr(text, "vocab_size", None))
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
         self._lock = threading.RLock()

@@ -28,7 +28,8 @@ class Intake:
     """Checks and registers the engine's new requests (see `Engine.add_owned_request`)."""
 
     def __init__(self, core: EngineCore, kv: KVOwner, outputs: OutputProcessor, tokenizer,
-                 tokenizer_lock: threading.Lock, vocab_size: int, images: ImageSupport | None = None):
+                 tokenizer_lock: threading.Lock, vocab_size: int, images: ImageSupport | None = None,
+                 logits_width: int | None = None):
         self.core = core
         self.kv = kv
         self.outputs = outputs
@@ -36,6 +37,9 @@ class Intake:
         self.tokenizer_lock = tokenizer_lock
         self.vocab_size = vocab_size
         self.images = images  # splits a prompt's multi_modal_data per image
+        self.logits_width = logits_width or vocab_size
+        self.grammars = None  # `structured.grammar.Grammars`, made for the first structured request
+        self._grammars_lock = threading.Lock()
 
     def track(self, prompt, sampling_params: SamplingParams | None, request_id: str | None, inbox: Inbox | None,
               index: int, streamed: bool, kv_prefix: KVSequence | None, retain_kv: bool,
@@ -80,6 +84,7 @@ class Intake:
                 f"KV blocks of {self.kv.block_size}, but the pool has only {self.kv.num_blocks}; "
                 "shorten the prompt or max_new_tokens, or enlarge the pool"
             )
+        grammar = self._grammar(params)
         detok = self.outputs.new_detokenizer(prompt_ids, params, streamed)
         if detok is not None:
             # Their text comes out with this engine's first event, so that the streamed deltas join
@@ -98,13 +103,27 @@ class Intake:
             metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
             seed = draw_seed(params.seed)
             tracked = TrackedRequest(request, params, metrics, detok, inbox, index,
-                                     core.new_state(params, seed, request), RequestGroup(request_id, params.n, retain_kv))
+                                     core.new_state(params, seed, request, grammar),
+                                     RequestGroup(request_id, params.n, retain_kv))
             tracked.kv_prefix = kv_prefix
             if resume and detok is not None:
                 tracked.pending_text = resume_text
             tracked.images = images or None
             core.register(tracked)
         return tracked
+
+    def _grammar(self, params: SamplingParams):
+        """A fresh matcher of the request's `structured` constraint (compiled once per distinct one), or
+        None. Raises ValueError when it does not compile, ImportError naming the extra without xgrammar."""
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer: pass tokenizer= to the Engine")
+        with self._grammars_lock:
+            if self.grammars is None:
+                from ..structured.grammar import Grammars  # the `structured` extra
+                self.grammars = Grammars(self.tokenizer, self.logits_width, self.core.eos_token_ids)
+        return self.grammars.state(params.structured)
 
     def _split_prompt(self, prompt) -> tuple:
         """(text or ids, [ImageItem]) of a prompt: a dict `{"prompt" or "prompt_token_ids", "multi_modal_data"}`

@@ -42,7 +42,7 @@ from ..engine import Engine
 from ..engine.delivery import Inbox
 from ..text import refuse_lone_surrogates
 from ..sampling_params import SamplingParams
-from .optional import require
+from ..optional import require
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 
-from .optional import require
+from ..optional import require
 
 
 def main(argv: list[str]) -> int:

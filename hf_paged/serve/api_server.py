@@ -45,6 +45,8 @@ from ..sampling_params import SamplingParams
 from ..worker.cpu_caches import bound_cpu_kernel_caches
 from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
 from .openapi import openapi_document
+from . import tools
+from .prometheus import EngineCollector
 
 try:  # FastAPI resolves the endpoints' annotations in this module's globals
     from starlette.requests import ClientDisconnect, Request
@@ -68,7 +70,7 @@ BODY_TIMEOUT_SECONDS = 30.0
 
 
 def _require():
-    from ..integrations.optional import require
+    from ..optional import require
 
     fastapi = require("fastapi", "serve", "hf-paged serve")
     require("uvicorn", "serve", "hf-paged serve")
@@ -143,7 +145,7 @@ class Server:
         self._large_bodies = asyncio.Semaphore(MAX_LARGE_BODIES)
         self._openapi = _dumps(openapi_document(model_name, self.limits, self.vocab_size))
         self._registry = prometheus.CollectorRegistry()
-        self._registry.register(_EngineCollector(self))
+        self._registry.register(EngineCollector(self))
         app = fastapi.FastAPI(title="hf_paged", docs_url=None, redoc_url=None, openapi_url=None)
         self.app = app
 
@@ -280,7 +282,9 @@ class Server:
                 ids, images = self._render_images(p.messages)
             elif p.kind == "chat":
                 try:
-                    ids = self.tokenizer.apply_chat_template(p.messages, add_generation_prompt=True, tokenize=True)
+                    messages, kwargs = tools.template_inputs(p.messages, p.tools, self.tokenizer.chat_template)
+                    ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                             **kwargs)
                 except Exception as exc:  # noqa: BLE001 - a template's raise_exception, or any error it meets
                     raise APIError(400, f"the model's chat template cannot render these messages: {exc}",
                                    param="messages") from None
@@ -343,7 +347,7 @@ class Server:
             params = SamplingParams(max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, n=p.n,
                                     stop=p.stop or None, seed=p.seed, logprobs=p.logprobs,
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                    logit_bias=p.logit_bias or None)
+                                    logit_bias=p.logit_bias or None, structured=p.structured)
             params.validate(self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
@@ -364,8 +368,9 @@ class Server:
                 logprobs = self._chat_logprobs(sample.logprobs) if p.kind == "chat" else \
                     self._completion_logprobs(sample.logprobs)
             if p.kind == "chat":
-                choice = {"index": i, "message": {"role": "assistant", "content": sample.text or ""},
-                          "logprobs": logprobs, "finish_reason": reason}
+                message, reason = tools.answer(sample.text or "", reason, p.tool_choice)
+                choice = {"index": i, "message": {"role": "assistant", **message}, "logprobs": logprobs,
+                          "finish_reason": reason}
             else:
                 choice = {"index": i, "text": sample.text or "", "finish_reason": reason, "logprobs": logprobs}
             choices.append(choice)
@@ -404,6 +409,8 @@ class Server:
         `on_close` aborts the request."""
         created, obj = int(time.time()), "chat.completion.chunk" if p.kind == "chat" else "text_completion"
         counts, offsets = [0] * p.n, [0] * p.n
+        calling = p.kind == "chat" and p.tool_choice != "none"  # tool calls are parsed from the whole text
+        held = [""] * p.n
         try:
             if p.kind == "chat":
                 for i in range(p.n):
@@ -426,7 +433,18 @@ class Server:
                         logprobs = self._completion_logprobs([event.logprobs], offsets[i])
                         offsets[i] += sum(len(t) for t in logprobs["tokens"])
                 choice = {"index": i, "finish_reason": reason, "logprobs": logprobs}
-                if p.kind == "chat":
+                if calling:
+                    held[i] += text
+                    if reason is None and logprobs is None:
+                        continue
+                    delta = {}
+                    if reason is not None:
+                        message, choice["finish_reason"] = tools.answer(held[i], reason, p.tool_choice)
+                        delta = {k: v for k, v in message.items() if v}
+                        if "tool_calls" in delta:
+                            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
+                    choice["delta"] = delta
+                elif p.kind == "chat":
                     choice["delta"] = {"content": text} if text or reason is None else {}
                 else:
                     choice["text"] = text
@@ -498,46 +516,6 @@ if StreamingResponse is not None:
 
 def _finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(reason, reason)
-
-
-class _EngineCollector:
-    """Prometheus metrics read from the engine at each scrape, under vLLM's names."""
-
-    def __init__(self, server: Server):
-        self.server = server
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
-
-        m = self.server.engine.metrics()
-        labels = {"model_name": self.server.model_name}
-
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=list(labels))
-            g.add_metric(list(labels.values()), float(value or 0))
-            return g
-
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=list(labels))
-            c.add_metric(list(labels.values()), float(value or 0))
-            return c
-
-        yield gauge("vllm:num_requests_running", "Requests running on the engine.", m["vllm:num_requests_running"])
-        yield gauge("vllm:num_requests_waiting", "Requests waiting for the engine.", m["vllm:num_requests_waiting"])
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", m["vllm:kv_cache_usage_perc"])
-        yield counter("vllm:prompt_tokens", "Prompt tokens computed.", m["vllm:prompt_tokens"])
-        yield counter("vllm:generation_tokens", "Tokens generated.", m["vllm:generation_tokens"])
-        yield counter("vllm:num_preemptions", "Preemptions.", m["vllm:num_preemptions"])
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up.", m["vllm:prefix_cache_queries"])
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache.", m["vllm:prefix_cache_hits"])
-        yield counter("vllm:request_success", "Requests finished.", m["vllm:request_success"])
-        for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                     "vllm:e2e_request_latency_seconds"):
-            s = m[name]
-            family = SummaryMetricFamily(name, name.split(":")[1].replace("_", " "), labels=list(labels))
-            family.add_metric(list(labels.values()), count_value=s["count"], sum_value=s["sum"])
-            yield family
-        yield gauge("hf_paged:requests_in_flight", "HTTP requests being served.", self.server.in_flight)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -655,7 +633,7 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
             parser.error(f"{args.model} has no tokenizer")
         processor = source.processor()  # images in chat messages, for a vision-language model
         if processor is not None:
-            from ..integrations.optional import require
+            from ..optional import require
 
             require("PIL", what="serving a vision-language model's images")  # at start, not per request
         model = model.eval()

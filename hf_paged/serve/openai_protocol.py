@@ -14,19 +14,10 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
+from ..structured_outputs import StructuredOutputs
 from ..text import refuse_lone_surrogates
-
-
-class APIError(Exception):
-    """An error answered to the client: HTTP `status` and OpenAI's error body."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+from . import tools
+from .api_error import APIError
 
 
 def _cap(default: int, help: str):
@@ -86,13 +77,17 @@ class Parsed:
     user: str | None = None
     stream: bool = False
     include_usage: bool = False
+    structured: StructuredOutputs | None = None  # from `response_format` or `tools` (`tools.py`)
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "none"  # "none", "auto", "required" or {"name": ...}
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
-           "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "logprobs"}
+           "frequency_penalty", "logit_bias", "user", "stream", "stream_options", "logprobs", "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
-ROLES = ("system", "user", "assistant")
+CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                         "parallel_tool_calls"}
+ROLES = ("system", "user", "assistant", "tool")
 
 
 # A JSON escape of a UTF-16 surrogate: the only way a lone surrogate gets into a parsed body (valid
@@ -172,7 +167,23 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -
         elif body.get("top_logprobs") is not None:
             raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         p.messages = _messages(body.get("messages"))
+    _structured(p, body)
     return p
+
+
+def _structured(p: Parsed, body: dict) -> None:
+    """`response_format`, `tools` and `tool_choice` as the request's constraint (`tools.py`)."""
+    p.structured = tools.response_format(body.get("response_format"))
+    if p.kind != "chat":
+        return
+    p.tools = tools.tools(body.get("tools"))
+    p.tool_choice = tools.tool_choice(body.get("tool_choice"), p.tools)
+    parallel = _bool(body, "parallel_tool_calls", True)
+    if p.tools is not None and p.tool_choice != "none":
+        if p.structured is not None:
+            raise APIError(400, "'response_format' cannot be combined with 'tools' (unless 'tool_choice' is "
+                                "'none')", param="response_format")
+        p.structured = tools.tool_constraint(p.tools, p.tool_choice, parallel)
 
 
 def _json_type(value) -> str:
@@ -280,13 +291,17 @@ def _messages(value) -> list[dict]:
         raise APIError(400, "'messages' must be a non-empty array", param="messages")
     out = []
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), (str, list)):
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
+                isinstance(m.get("content"), (str, list)) or (calls is not None and m.get("content") is None)):
             raise APIError(400, f"messages[{i}] must be an object with a 'role' ({', '.join(ROLES)}) and a "
-                                "'content' (a string or an array of content parts)", param=f"messages[{i}]")
-        if set(m) - {"role", "content", "name"}:
-            raise APIError(400, f"messages[{i}] has unknown field(s) {sorted(set(m) - {'role', 'content', 'name'})}",
+                                "'content' (a string or an array of content parts; null beside 'tool_calls')",
                            param=f"messages[{i}]")
-        content = m["content"]
+        known = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(m["role"], set())
+        if set(m) - known:
+            raise APIError(400, f"messages[{i}] has unknown field(s) {sorted(set(m) - known)}", param=f"messages[{i}]")
+        extra = tools.message_fields(m, f"messages[{i}]")
+        content = m["content"] if m["content"] is not None else ""
         if isinstance(content, list):
             parts = [_content_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content)]
             if not parts:
@@ -297,7 +312,7 @@ def _messages(value) -> list[dict]:
                 raise APIError(400, f"messages[{i}]: only user messages may hold images", param=f"messages[{i}]")
             else:
                 content = parts
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": content, **extra})
     return out
 
 

@@ -8,6 +8,12 @@ from __future__ import annotations
 from .openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS, ROLES, Limits
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
+_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_TOOL = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": _NAME, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": "boolean", "nullable": True}}}}}
 
 
 def openapi_document(model_name: str, limits: Limits, vocab_size: int) -> dict:
@@ -95,6 +101,14 @@ def _request_schema(names: set[str], model_name: str, limits: Limits, vocab_size
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "additionalProperties": False,
                            "properties": {"include_usage": {"type": "boolean"}}},
+        "response_format": {"oneOf": [
+            {"type": "object", "required": ["type"], "additionalProperties": False,
+             "properties": {"type": {"type": "string", "enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+             "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                 "type": "object", "required": ["name"], "additionalProperties": False,
+                 "properties": {"name": _NAME, "description": {"type": "string"}, "schema": {"type": "object"},
+                                "strict": {"type": "boolean", "nullable": True}}}}}]},
     }
     if chat:
         props["messages"] = {"type": "array", "minItems": 1, "items": {
@@ -108,8 +122,21 @@ def _request_schema(names: set[str], model_name: str, limits: Limits, vocab_size
                      "properties": {"type": {"const": "image_url"}, "image_url": {
                          "type": "object", "required": ["url"], "additionalProperties": False,
                          "properties": {"url": {"type": "string", "pattern": "^data:image/"},
-                                        "detail": {"type": "string"}}}}}]}}]},
-                "name": {"type": "string"}}}}
+                                        "detail": {"type": "string"}}}}}]}}], "nullable": True},  # null: calls
+                "name": {"type": "string"},
+                "tool_calls": {"type": "array", "minItems": 1, "items": {
+                    "type": "object", "required": ["function"], "properties": {
+                        "id": {"type": "string"}, "type": {"const": "function"},
+                        "function": {"type": "object", "required": ["name", "arguments"], "properties": {
+                            "name": {"type": "string"}, "arguments": {"type": "string"}}}}}},
+                "tool_call_id": {"type": "string"}}}}
+        props["tools"] = {"type": "array", "minItems": 1, "items": _TOOL}
+        props["tool_choice"] = {"oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "function"], "properties": {
+                "type": {"const": "function"},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": _NAME}}}}]}
+        props["parallel_tool_calls"] = {"type": "boolean"}
         props["logprobs"] = {"type": "boolean"}
         props["top_logprobs"] = {"type": "integer", "minimum": 0, "maximum": limits.max_logprobs}
         props["max_completion_tokens"] = max_tokens

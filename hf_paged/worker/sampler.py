@@ -147,6 +147,16 @@ class Sampler:
 
     def __init__(self):
         self._workspace = Workspace()
+        self._grammar_masks = None  # `structured.grammar.GrammarMasks`, made for the first constrained row
+
+    def _apply_grammars(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        """Mask the tokens each constrained row's grammar forbids (`SamplingParams.structured`)."""
+        constrained = [(i, r.state.grammar, r.extra) for i, r in enumerate(rows) if r.state.grammar is not None]
+        if constrained:
+            if self._grammar_masks is None:
+                from ..structured.grammar import GrammarMasks  # the `structured` extra
+                self._grammar_masks = GrammarMasks()
+            self._grammar_masks.apply(logits, constrained)
 
     def take_rows(self, logits: torch.Tensor, index: list[int]) -> torch.Tensor:
         """[len(index), vocab] copy of `logits` rows `index`, for `__call__` to overwrite, in a buffer
@@ -180,6 +190,7 @@ class Sampler:
         nan_rows = torch.isnan(logits.amax(dim=-1)) if check_nan else None  # [num_rows] bool
         self.process(logits, rows)
         if with_outputs:
+            self._apply_grammars(logits, rows)
             _apply_batch_processors(logits, rows)
         num_rows = len(rows)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]

@@ -33,19 +33,24 @@ class SamplingState:
         num_prompt_tokens: the length of the prompt prefix of `token_ids`.
         end_token_ids: ids masked before `min_new_tokens` (eos unless ignore_eos, and stop tokens).
         eos_token_ids: the model's end-of-sequence ids (a lone eos in `bad_words_ids` is not banned).
+        grammar: the request's `structured.grammar.GrammarState` (with `params.structured`), advanced here
+            by the output tokens already in `token_ids`; the engine advances it as it commits tokens.
 
     The next token is at sequence position `len(token_ids)`. Penalty state (unique tokens seen, their
     counts among the outputs) and the n-gram table are updated from the tokens appended since the
     last use, so a step costs O(new tokens), never O(context)."""
 
     def __init__(self, params: SamplingParams, seed: int, token_ids: list[int], num_prompt_tokens: int,
-                 end_token_ids: list[int] = (), eos_token_ids: list[int] = ()):
+                 end_token_ids: list[int] = (), eos_token_ids: list[int] = (), grammar=None):
         self.params = params
         self.seed = seed
         self.token_ids = token_ids
         self.num_prompt_tokens = num_prompt_tokens
         self.end_token_ids = list(end_token_ids)
         self.eos_token_ids = list(eos_token_ids)
+        self.grammar = grammar
+        if grammar is not None and not grammar.accept(token_ids[num_prompt_tokens:]):
+            raise ValueError("the request's output tokens so far do not match its structured outputs constraint")
         self._reset()
 
     def _reset(self) -> None:

@@ -6,7 +6,8 @@ import importlib
 
 # package -> the hf_paged extra that installs it (pyproject.toml's optional-dependencies)
 EXTRAS = {"datasets": "data", "trl": "train", "peft": "train", "lm_eval": "eval", "matplotlib": "plot",
-          "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "PIL": "serve"}
+          "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "PIL": "serve",
+          "xgrammar": "structured"}
 
 
 def require(module: str, extra: str | None = None, what: str | None = None):

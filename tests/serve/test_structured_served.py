@@ -1,0 +1,121 @@
+"""`response_format` and `tools` through the real openai client against `hf-paged serve default` (SmolLM2):
+the answers parse and validate, streamed and not; bad schemas and tools are 400s that name the problem."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema_rs
+import pytest
+
+from served import Served
+
+pytest.importorskip("xgrammar")
+pytest.importorskip("openai")
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Served("default", "--max-model-len", "2048", "--max-tokens", "96")
+    yield s
+    assert s.stop() == 0
+
+
+def _json_schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+
+
+def _streamed(client, **kwargs):
+    """The joined content, tool calls (merged by index, as the openai SDK's users do) and finish reason."""
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                entry["name"] += (call.function.name or "") if call.function else ""
+                entry["arguments"] += (call.function.arguments or "") if call.function else ""
+            reason = choice.finish_reason or reason
+    return content, [calls[k] for k in sorted(calls)], reason
+
+
+@pytest.mark.slow
+def test_a_json_schema_response_format_parses_and_validates_streamed_and_not(server):
+    client = server.client()
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "Invent a person; answer as JSON."}],
+                  response_format=_json_schema_format(PERSON), max_tokens=96, temperature=0)
+    answer = client.chat.completions.create(**kwargs)
+    text = answer.choices[0].message.content
+    jsonschema_rs.validate(PERSON, json.loads(text))
+    assert answer.choices[0].finish_reason == "stop"
+    streamed, calls, reason = _streamed(client, **kwargs)
+    assert streamed == text and calls == [] and reason == "stop"
+    obj = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Describe a cat in JSON."}],
+                                         response_format={"type": "json_object"}, max_tokens=96, temperature=0,
+                                         seed=3)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_tools_call_returns_a_valid_tool_calls_entry_streamed_and_not(server, tool_choice):
+    client = server.client()
+    kwargs = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}],
+                  tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=96, temperature=0)
+    answer = client.chat.completions.create(**kwargs)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema_rs.validate(schema, json.loads(call.function.arguments))
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    content, calls, reason = _streamed(client, **kwargs)
+    assert reason == "tool_calls" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    # The call goes back in the conversation with the tool's answer: the server takes it.
+    follow = client.chat.completions.create(model="tiny", max_tokens=16, temperature=0, tools=[WEATHER, TIME], messages=[
+        {"role": "user", "content": "What is the weather in Paris, in celsius?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}])
+    assert follow.choices[0].message.content is not None or follow.choices[0].message.tool_calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("body,error", [
+    ({"response_format": _json_schema_format({"type": "no-such-type"})}, "does not compile"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "'name'"),
+    ({"response_format": {"type": "yaml"}}, "'response_format'"),
+    ({"response_format": _json_schema_format([1, 2])}, "JSON Schema object"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools\\[0\\].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "given twice"),
+    ({"tool_choice": "required"}, "'tool_choice' needs 'tools'"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "does not compile"),
+    ({"tools": [WEATHER], "response_format": {"type": "json_object"}}, "cannot be combined"),
+])
+def test_bad_schemas_and_tools_are_400s_that_name_the_problem(server, body, error):
+    r = server.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 8,
+                                                  "messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400, r.text
+    assert __import__("re").search(error, r.json()["error"]["message"]), r.json()
+    assert server.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"}]}).status_code == 200
