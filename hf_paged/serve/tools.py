@@ -133,6 +133,8 @@ def message_fields(message: dict, where: str) -> dict:
     "function": {"name", "arguments"}}` with `arguments` a JSON string, as the API returns them, parsed
     here into an object for the chat template), a tool message's `tool_call_id`."""
     out = {}
+    if message["role"] == "tool" and "tool_call_id" not in message:
+        raise APIError(400, f"{where}: a 'tool' message needs the 'tool_call_id' it answers", param=where)
     if "tool_call_id" in message:
         if message["role"] != "tool" or not isinstance(message["tool_call_id"], str):
             raise APIError(400, f"{where}.tool_call_id must be a string, on a 'tool' message", param=f"{where}.tool_call_id")

@@ -70,7 +70,8 @@ def test_chat_fields():
 
 def test_the_field_sets_differ_only_where_the_apis_do():
     assert COMPLETION_FIELDS - CHAT_FIELDS == {"prompt"}
-    assert CHAT_FIELDS - COMPLETION_FIELDS == {"messages", "top_logprobs", "max_completion_tokens"}
+    assert CHAT_FIELDS - COMPLETION_FIELDS == {"messages", "top_logprobs", "max_completion_tokens", "tools",
+                                               "tool_choice", "parallel_tool_calls"}
 
 
 @pytest.mark.parametrize("field,value,param", [

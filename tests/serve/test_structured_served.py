@@ -99,6 +99,21 @@ def test_a_tools_call_returns_a_valid_tool_calls_entry_streamed_and_not(server, 
 
 
 @pytest.mark.slow
+def test_tool_choice_auto_answers_text_or_valid_calls(server):
+    answer = server.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "What time is it in Tokyo? Use a tool."}],
+        tools=[WEATHER, TIME], max_tokens=96, temperature=0)
+    choice = answer.choices[0]
+    if choice.message.tool_calls:  # the model chose to call: every call is well formed
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+            jsonschema_rs.validate(schema, json.loads(call.function.arguments))
+    elif choice.finish_reason == "stop":  # text: no unparsed call left in it
+        assert choice.message.content and "<tool_call>" not in choice.message.content
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("body,error", [
     ({"response_format": _json_schema_format({"type": "no-such-type"})}, "does not compile"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}}, "'name'"),

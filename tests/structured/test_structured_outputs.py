@@ -229,3 +229,13 @@ def test_the_extraction_example_gives_the_same_valid_records_through_generate_pi
     assert records[0] == records[1] == records[2]
     for record in records[0]:
         assert set(record) == {"name", "role", "company"}
+
+
+def test_without_xgrammar_the_error_names_the_extra(monkeypatch):
+    import sys
+
+    from hf_paged.structured import grammar
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'hf_paged\[structured\]'"):
+        grammar.xgrammar()
