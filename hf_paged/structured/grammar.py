@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections import OrderedDict
 
 import numpy as np
@@ -54,7 +53,6 @@ class Grammars:
         self._cache: OrderedDict[tuple, object] = OrderedDict()
         self._lock = threading.Lock()  # intake threads compile concurrently
         self.num_compiled = 0
-        self.compile_seconds = 0.0
 
     def state(self, spec: StructuredOutputs) -> "GrammarState":
         """A fresh matcher for `spec` (compiled on first use). Raises ValueError naming the problem when
@@ -69,7 +67,6 @@ class Grammars:
             if compiled is not None:
                 self._cache.move_to_end(key)
                 return compiled
-        began = time.perf_counter()
         try:
             compiled = self._compile(spec)
         except RuntimeError as exc:  # xgrammar's errors for a bad schema, regex or grammar
@@ -77,7 +74,6 @@ class Grammars:
             raise ValueError(f"structured outputs: the {spec.kind} does not compile: {reason}") from None
         with self._lock:
             self.num_compiled += 1
-            self.compile_seconds += time.perf_counter() - began
             self._cache[key] = compiled
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
@@ -130,15 +126,21 @@ class GrammarState:
                 return False
         return True
 
-    def valid_prefix(self, token_ids) -> int:
-        """How many of `token_ids` (a draft) the grammar accepts in a row; the state is unchanged."""
+    def advance(self, token_ids) -> int:
+        """Accept `token_ids` up to the first the grammar rejects (or its end); how many it took. The
+        caller rolls them back (`matcher.rollback`)."""
         m, n = self.matcher, 0
         for token in token_ids:
             if m.is_terminated() or not m.accept_token(int(token)):
                 break
             n += 1
+        return n
+
+    def valid_prefix(self, token_ids) -> int:
+        """How many of `token_ids` (a draft) the grammar accepts in a row; the state is unchanged."""
+        n = self.advance(token_ids)
         if n:
-            m.rollback(n)
+            self.matcher.rollback(n)
         return n
 
 
@@ -178,11 +180,7 @@ class GrammarMasks:
                 continue
             # A draft position: the mask after the drafts before it. A draft the grammar rejects makes
             # the rows after it moot (verification stops there); they keep the last valid state's mask.
-            n = 0
-            for token in extra:
-                if matcher.is_terminated() or not matcher.accept_token(int(token)):
-                    break
-                n += 1
+            n = state.advance(extra)
             if not matcher.is_terminated():
                 matcher.fill_next_token_bitmask(bitmask, row)
                 masked.append(row)
