@@ -3,8 +3,10 @@
 
 Owns the choice of backend and nothing else: callers (the `interface` attention function, the cache
 adapter) call `plan` / `store_kv` / `paged_attention` here and never import a backend directly.
-`backend()` picks the implementation for a device: Triton on CUDA tensors, torch elsewhere. Set
-`HF_PAGED_BACKEND=torch` or `=triton` to force one; the tests force Triton on CPU tensors under
+`backend()` picks the implementation for a device: Triton on CUDA tensors; on the CPU "cpu", the
+native kernel (`cpu_kernel`, built on first use) for the decode and verify runs and the torch path
+for the prefill chunks, or "torch" alone where that kernel cannot be built. Set
+`HF_PAGED_BACKEND=torch`, `=cpu` or `=triton` to force one; the tests force Triton on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`). The environment is read by `plan`, once per step (see
 `plan.StepPlan`); a call with a plan reads nothing per layer. A call without one (a kernel test, a
 caller with no step) plans for itself.
@@ -20,26 +22,36 @@ import os
 import torch
 
 from ..config import MAX_DECODE_QUERY_LEN
-from . import torch_paged
+from . import cpu_kernel, torch_paged
 from .kv_quant import rotate
 from .plan import StepPlan
 from .workspace import Workspace
 
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def backend(device: torch.device) -> str:
-    """The kernel family ("torch" or "triton") for tensors on `device`."""
+    """The kernel family for tensors on `device`: "triton" on CUDA, "cpu" (the native CPU kernel for
+    decode and verify runs, the torch path for the rest) elsewhere where that kernel builds, else
+    "torch"."""
     choice = os.environ.get("HF_PAGED_BACKEND", "auto").lower()
     if choice not in _BACKENDS:
         raise ValueError(f"HF_PAGED_BACKEND must be one of {_BACKENDS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and _has_triton() else "torch"
+        if device.type == "cuda":
+            return "triton" if _has_triton() else "torch"
+        return "cpu" if device.type == "cpu" and cpu_kernel.load() is not None else "torch"
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             "HF_PAGED_BACKEND=triton on a non-CUDA device needs Triton's interpreter: set TRITON_INTERPRET=1 "
             "before hf_paged's kernels are first used"
         )
+    if choice == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"HF_PAGED_BACKEND=cpu runs on CPU tensors, not {device.type}; use auto")
+        if cpu_kernel.load() is None:
+            raise ValueError(f"HF_PAGED_BACKEND=cpu: the CPU attention kernel could not be built "
+                             f"({cpu_kernel.load_error()}); use HF_PAGED_BACKEND=torch")
     return choice
 
 
@@ -139,8 +151,12 @@ def _attend(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         return kernel(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
                       max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
                       scales=scales, plan=launch_plan)
-    torch_plan = None if plan is None else plan.torch_plan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                                                           max_seqlen_k, key_cache.shape[1])
+    if plan is not None:
+        torch_plan = plan.torch_plan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                     key_cache.shape[1])
+    else:  # "cpu": the native kernel takes the short runs; "torch": the torch path takes everything
+        torch_plan = torch_paged.AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                                               key_cache.shape[1], native=name == "cpu")
     return torch_paged.paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
         scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=torch_plan, scales=scales,

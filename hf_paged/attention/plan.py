@@ -4,7 +4,7 @@ FlashInfer splits attention into `plan()`, host-side and once per batch, and `ru
 vLLM v1 builds its `AttentionMetadata` once per step and each layer's backend impl only runs. Ours:
 
     dispatch.plan(step, workspace)   once per step (`KVOwner.begin` / `PagedCache.plan_step`):
-        the backend ("torch" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
+        the backend ("cpu" / "torch" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
         (once per step, not per engine: a test or a server that switches it between steps is
         obeyed from the next step on), and the cache's scratch `Workspace`
     dispatch.store_kv(..., plan=)    per layer: writes with the plan's backend
@@ -46,7 +46,7 @@ class StepPlan:
     """The attention plan of one step (see the module docstring). Build it with `dispatch.plan`.
 
     Attributes:
-        backend: "torch" or "triton", fixed for the step.
+        backend: "cpu", "torch" or "triton", fixed for the step.
         workspace: the cache's scratch buffers (None: every launch plan allocates its own).
         num_layer_plans: launch plans made so far: one per layer kind (Triton) or KV group (torch),
             never one per layer.
@@ -114,7 +114,7 @@ class StepPlan:
             if tables is block_tables and size == block_size:
                 return plan
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_size,
-                             workspace=self.workspace, key_limits=self.key_limits)
+                             workspace=self.workspace, key_limits=self.key_limits, native=self.backend == "cpu")
         self._torch.append((block_tables, block_size, plan))
         self.num_layer_plans += 1
         return plan

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MAX_DECODE_QUERY_LEN
+from . import cpu_kernel
 from .kv_quant import KVScales, dequantize, dynamic_scales, quantize, rotate
 from .workspace import Workspace  # noqa: F401  (re-exported: the torch path's scratch)
 
@@ -222,13 +223,38 @@ def _buckets(short: list[int], seq_lens: list[int]) -> list[list[int]]:
     return groups
 
 
+class _ShortRuns:
+    """Every short-query sequence of a step (decode, speculative verify), for the native CPU kernel
+    (`cpu_kernel`) in one call over all of them: their block-table rows, lengths and query offsets,
+    and where their tokens sit in the packed query."""
+
+    def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
+                 block_tables: torch.Tensor, block_size: int, num_tokens: int):
+        num_blocks = max(-(-seq_lens[i] // block_size) for i in seqs)
+        rows = torch.tensor(seqs, device=block_tables.device)
+        self.block_tables = block_tables[rows, :num_blocks].to(torch.int32).contiguous()  # [S, num_blocks]
+        self.seq_lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int32)  # [S]
+        offsets = [0]
+        for i in seqs:
+            offsets.append(offsets[-1] + q_lens[i])
+        self.cu_seqlens_q = torch.tensor(offsets, dtype=torch.int32)  # [S + 1]
+        tokens = [t for i in seqs for t in range(cu[i], cu[i] + q_lens[i])]
+        # The runs hold the whole packed query in order (a pure decode step): no gather, no scatter.
+        self.is_whole = tokens == list(range(num_tokens))
+        self.token_index = None if self.is_whole else torch.tensor(tokens)  # [T_short]
+        self.max_q_len = max(q_lens[i] for i in seqs)
+        self.num_splits = cpu_kernel.num_splits(len(seqs), num_blocks)
+
+
 class AttentionPlan:
     """Index and mask tensors that depend only on the step's metadata, not on the layer: built once
     per forward and shared by every layer (the masks are memoised per sliding window).
 
     Sequences are split into groups: those with short queries (decode, speculative verify) are
     bucketed by KV length into a few padded calls, and each longer query (a prefill chunk) gets its
-    own call."""
+    own call. With `native` (the "cpu" backend, where the kernel builds), the short ones instead go
+    to the native CPU kernel together (`short_runs`), whenever a layer's tensors are ones it reads
+    (`cpu_kernel.can_run`); their padded groups are built only if a layer needs them."""
 
     def __init__(
         self,
@@ -240,16 +266,37 @@ class AttentionPlan:
         block_size: int,
         workspace: Workspace | None = None,
         key_limits: torch.Tensor | None = None,  # [num_tokens] int64, the last key each query sees (None: causal)
+        native: bool = False,
     ):
         cu = cu_seqlens_q.tolist()  # one host sync per step, shared by every layer
         lens = seq_lens.tolist()
         q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         self.num_tokens = cu[-1] if lens else 0
         self.workspace = workspace
-        short = [i for i, n in enumerate(q_lens) if 0 < n <= MAX_DECODE_QUERY_LEN and lens[i] > 0]
-        long = [[i] for i, n in enumerate(q_lens) if n > MAX_DECODE_QUERY_LEN]
-        self.groups = [_Group(g, q_lens, lens, cu, block_tables, block_size, key_limits)
-                       for g in _buckets(short, lens) + long]
+        self._args = (q_lens, lens, cu, block_tables, block_size, key_limits)
+        self._short = [i for i, n in enumerate(q_lens) if 0 < n <= MAX_DECODE_QUERY_LEN and lens[i] > 0]
+        self.long_groups = [_Group([i], q_lens, lens, cu, block_tables, block_size, key_limits)
+                            for i, n in enumerate(q_lens) if n > MAX_DECODE_QUERY_LEN]
+        self.short_runs = None
+        if native and self._short and key_limits is None and block_tables.device.type == "cpu" \
+                and block_size <= cpu_kernel.MAX_BLOCK_SIZE and cpu_kernel.load() is not None:
+            self.short_runs = _ShortRuns(self._short, q_lens, lens, cu, block_tables, block_size, self.num_tokens)
+        self._short_groups = None
+
+    @property
+    def groups(self) -> list[_Group]:
+        """Every group of the torch path: the short queries bucketed by KV length, then the long ones."""
+        if self._short_groups is None:
+            q_lens, lens, cu, block_tables, block_size, key_limits = self._args
+            self._short_groups = [_Group(g, q_lens, lens, cu, block_tables, block_size, key_limits)
+                                  for g in _buckets(self._short, lens)]
+        return self._short_groups + self.long_groups
+
+    def scratch(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """An fp32 buffer for the native kernel: the workspace's, else a fresh one."""
+        if self.workspace is None:
+            return torch.empty(shape, dtype=torch.float32, device=device)
+        return self.workspace.get(name, shape, torch.float32, device)
 
 
 def paged_attention(
@@ -288,16 +335,30 @@ def paged_attention(
         return query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
     if plan is None:
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
-    # One group holding every query (batch 1): its output is the whole output, no scatter into zeros.
-    is_whole = len(plan.groups) == 1 and plan.groups[0].token_slice == slice(0, num_tokens)
     out = None  # [num_tokens, Hq, Dv], in the dtype attention returns (under autocast, not the query's)
+    groups = plan.groups
+    runs = plan.short_runs
+    if runs is not None and scales is None and cpu_kernel.can_run(query, key_cache, value_cache):
+        o = cpu_kernel.attend(query if runs.is_whole else query[runs.token_index], key_cache, value_cache,
+                              runs.block_tables, runs.seq_lens, runs.cu_seqlens_q, runs.max_q_len * num_q_heads,
+                              runs.num_splits, scale, sliding_window, softcap, sinks,
+                              lambda name, shape: plan.scratch(name, shape, query.device))  # [T_short, Hq, Dv]
+        if runs.is_whole:  # every query is a short run's: nothing else to attend
+            return o
+        out = o.new_zeros(num_tokens, num_q_heads, o.shape[-1])
+        out[runs.token_index] = o
+        if not plan.long_groups:
+            return out
+        groups = plan.long_groups
+    # One group holding every query (batch 1): its output is the whole output, no scatter into zeros.
+    is_whole = out is None and len(groups) == 1 and groups[0].token_slice == slice(0, num_tokens)
     # Scratch buffers are reused by the next layer: only where autograd will not keep the K/V.
     needs_grad = torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
                                               or value_cache.requires_grad)
     workspace = None if needs_grad else plan.workspace
     k_scales, v_scales = (None, None) if scales is None else (scales.key, scales.value)
     nan_scaled = scales is not None and dynamic_scales(scales.quant)
-    for group in plan.groups:
+    for group in groups:
         buffers, dequantized = [None, None], [None, None]
         if workspace is not None and group.first_block is None:
             buffers = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), cache.dtype, cache.device)
