@@ -54,27 +54,33 @@ class ForwardClock:
         self.handle.remove()
 
 
-def random_kv(num_rows: int, context: int, per_token: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(context * per_token, generator=gen) for _ in range(num_rows)]
+def row_kv(seed: int, row: int, context: int, per_token: int) -> torch.Tensor:
+    """Row `row`'s K/V in the transfer layout (per layer, K then V, each [tokens, Hkv, D]), made again
+    from its seed when needed, so that a 32 x 4k cell (6 GB per copy) holds one copy at a time."""
+    gen = torch.Generator().manual_seed(seed * 1000 + row)
+    return torch.randn(context * per_token, generator=gen)
 
 
-def stock_cache(model, buffers: list[torch.Tensor], context: int) -> DynamicCache:
-    """The buffers (transfer layout: per layer, K then V, each [tokens, Hkv, D]) as a DynamicCache."""
+def stock_cache(model, seed: int, rows: int, context: int, per_token: int) -> DynamicCache:
+    """The rows' K/V as a DynamicCache: [rows, Hkv, context, D] per layer."""
     cfg = model.config
     heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     size = context * heads * dim
+    keys = [torch.empty(rows, heads, context, dim) for _ in range(cfg.num_hidden_layers)]
+    values = [torch.empty(rows, heads, context, dim) for _ in range(cfg.num_hidden_layers)]
+    for row in range(rows):
+        buf = row_kv(seed, row, context, per_token)
+        for layer in range(cfg.num_hidden_layers):
+            keys[layer][row] = buf[2 * layer * size:(2 * layer + 1) * size].view(context, heads, dim).transpose(0, 1)
+            values[layer][row] = buf[(2 * layer + 1) * size:(2 * layer + 2) * size].view(context, heads, dim).transpose(0, 1)
     cache = DynamicCache(config=cfg)
     for layer in range(cfg.num_hidden_layers):
-        keys = torch.stack([b[(2 * layer) * size:(2 * layer + 1) * size] for b in buffers])
-        values = torch.stack([b[(2 * layer + 1) * size:(2 * layer + 2) * size] for b in buffers])
-        cache.update(keys.view(len(buffers), context, heads, dim).transpose(1, 2).contiguous(),
-                     values.view(len(buffers), context, heads, dim).transpose(1, 2).contiguous(), layer)
+        cache.update(keys[layer], values[layer], layer)
     return cache
 
 
-def run_stock(model, ids: torch.Tensor, buffers, context: int, steps: int):
-    cache = stock_cache(model, buffers, context)
+def run_stock(model, ids: torch.Tensor, seed: int, context: int, per_token: int, steps: int):
+    cache = stock_cache(model, seed, ids.shape[0], context, per_token)
     clock = ForwardClock(model)
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=steps,
@@ -85,8 +91,8 @@ def run_stock(model, ids: torch.Tensor, buffers, context: int, steps: int):
     return clock.step_time(), out[:, ids.shape[1]:].tolist()
 
 
-def run_engine(engine: Engine, model, ids: torch.Tensor, buffers, steps: int):
-    prefixes = [engine.import_kv(row[:-1], buf) for row, buf in zip(ids.tolist(), buffers)]
+def run_engine(engine: Engine, model, ids: torch.Tensor, seed: int, context: int, per_token: int, steps: int):
+    prefixes = [engine.import_kv(row[:-1], row_kv(seed, i, context, per_token)) for i, row in enumerate(ids.tolist())]
     clock = ForwardClock(model)
     try:
         outs = engine.generate(ids.tolist(), SamplingParams(max_new_tokens=steps, min_new_tokens=steps),
@@ -125,7 +131,7 @@ def main() -> int:
     for rows in batches:
         for context in contexts:
             ids = torch.randint(3, model.config.vocab_size, (rows, context + 1), generator=gen)
-            buffers = random_kv(rows, context, per_token, seed=rows * context)
+            seed = rows * 100_000 + context
             stock_t, ours_t, same = [], [], None
             with torch.inference_mode():
                 for r in range(args.repeats):
@@ -134,18 +140,17 @@ def main() -> int:
                         gc.collect()
                         if side == "stock":
                             model.set_attn_implementation("sdpa")
-                            t, stock_tokens = run_stock(model, ids, buffers, context, args.steps)
+                            t, stock_tokens = run_stock(model, ids, seed, context, per_token, args.steps)
                             stock_t.append(t)
                         else:
                             model.set_attn_implementation("hf_paged")
-                            t, our_tokens = run_engine(engine, model, ids, buffers, args.steps)
+                            t, our_tokens = run_engine(engine, model, ids, seed, context, per_token, args.steps)
                             ours_t.append(t)
                 same = sum(a == b for a, b in zip(stock_tokens, our_tokens))
             s, o = statistics.median(stock_t), statistics.median(ours_t)
             verdicts.append(o / s <= TARGET)
             print(f"{rows:5d} {context:8d} {s * 1e3:14.1f} {o * 1e3:17.1f} {o / s:6.2f} {same:>6d}/{rows}",
                   flush=True)
-            del buffers
     engine.shutdown()
     hf_paged.release(model)
     print(f"\nVERDICT decode step <= {TARGET}x stock in every cell: {'PASS' if all(verdicts) else 'FAIL'}")
