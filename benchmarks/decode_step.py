@@ -117,8 +117,9 @@ def main() -> int:
     model.eval()
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
+    longest = max(contexts) + args.steps + 8
     engine = Engine(model, max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches)),
-                    max_model_len=max(contexts) + args.steps + 8)
+                    max_model_len=longest, num_blocks=max(batches) * -(-longest // 16) + 64)
     engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))  # every layer's blocks exist from here on
     per_token = engine.kv.kv_numel_per_token()  # per layer K then V: 30 x 2 x 3 x 64
     from hf_paged.attention import dispatch
