@@ -15,6 +15,9 @@ Methods:
   sequence's blocks into a workspace and runs SDPA per length bucket.
 * `torch_contig`: the torch path with each sequence's blocks consecutive in the pool (what a fresh
   pool hands out; a single sequence is then read as a view, with no gather).
+* `flex`: the "flex" backend (`HF_PAGED_BACKEND=flex`): FlexAttention compiled by Inductor over the
+  same shuffled pool (block mask over the pool's blocks); its first call per shape (the compile) is
+  printed apart and not in its timing.
 * `stock_sdpa`: transformers' own `sdpa_attention_forward` (what stock `generate` runs) over K/V as
   contiguous `[batch, Hkv, L, D]` tensors: the dense batch, no paging, no padding.
 
@@ -42,7 +45,7 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_paged.attention import cpu_kernel, torch_paged
+from hf_paged.attention import cpu_kernel, flex_paged, torch_paged
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 SCALE = D ** -0.5
@@ -119,6 +122,19 @@ class Case:
         return torch_paged.AttentionPlan(tables, self.seq_lens, self.cu, self.q_len, self.ctx, BLOCK,
                                          workspace=self.workspace, native=native)
 
+    def flex_plan(self) -> flex_paged.FlexPlan:
+        plan = flex_paged.FlexPlan(self.tables, self.seq_lens, self.cu, BLOCK, self.k.shape[0])
+        for call in plan.calls:  # the block masks, which the first layer would build
+            call.mask(None, plan.block_pos)
+        return plan
+
+    def flex(self):
+        plan = self.flex_plan()
+
+        def run():
+            return flex_paged.paged_attention(self.query, self.k, self.v, plan, SCALE)
+        return run
+
     def stock(self):
         module = SimpleNamespace(is_causal=True, num_key_value_groups=HQ // HKV, training=False)
 
@@ -138,6 +154,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="the small shapes only (a smoke run)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--no-flex", action="store_true", help="skip the flex backend (its compiles take seconds)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -155,6 +172,12 @@ def main() -> int:
                    "stock_sdpa": case.stock()}
         if native:
             methods = {"cpu": case.paged(True, False), **methods}
+        if not args.no_flex:
+            methods = {**methods, "flex": case.flex()}
+            start = time.perf_counter()
+            methods["flex"]()
+            print(f"\n(flex: first call for {kind} {num_seqs} x {ctx}, compile included: "
+                  f"{time.perf_counter() - start:.1f} s)")
         errors = {name: case.check(fn()) for name, fn in methods.items() if name != "stock_sdpa"}
         times = {name: [] for name in methods}
         bandwidths = []
@@ -167,7 +190,9 @@ def main() -> int:
         floor = case.kv_bytes / bw
         stock = statistics.median(times["stock_sdpa"])
         plan_ms = {name: timed(lambda: case.plan(name == "cpu", name == "torch_contig"), args.reps) * 1e3
-                   for name in methods if name != "stock_sdpa"}
+                   for name in methods if name not in ("stock_sdpa", "flex")}
+        if "flex" in methods:
+            plan_ms["flex"] = timed(case.flex_plan, args.reps) * 1e3
         print(f"\n{kind} {num_seqs} x {ctx} (q_len {q_len}): K/V {case.kv_bytes / 1e6:.1f} MB, copy bandwidth "
               f"{bw / 1e9:.1f} GB/s, floor {floor * 1e3:.3f} ms; plan per step (all layers): "
               + ", ".join(f"{name} {ms:.3f} ms" for name, ms in plan_ms.items()))

@@ -5,8 +5,9 @@ Owns the choice of backend and nothing else: callers (the `interface` attention 
 adapter) call `plan` / `store_kv` / `paged_attention` here and never import a backend directly.
 `backend()` picks the implementation for a device: Triton on CUDA tensors; on the CPU "cpu", the
 native kernel (`cpu_kernel`, built on first use) for the decode and verify runs and the torch path
-for the prefill chunks, or "torch" alone where that kernel cannot be built. Set
-`HF_PAGED_BACKEND=torch`, `=cpu` or `=triton` to force one; the tests force Triton on CPU tensors under
+for the prefill chunks, or "torch" alone where that kernel cannot be built. "flex" (`flex_paged`,
+FlexAttention compiled by Inductor, on either device) runs when asked for. Set
+`HF_PAGED_BACKEND=torch`, `=cpu`, `=flex` or `=triton` to force one; the tests force Triton on CPU tensors under
 Triton's interpreter (`TRITON_INTERPRET=1`). The environment is read by `plan`, once per step (see
 `plan.StepPlan`); a call with a plan reads nothing per layer. A call without one (a kernel test, a
 caller with no step) plans for itself.
@@ -22,18 +23,20 @@ import os
 import torch
 
 from ..config import MAX_DECODE_QUERY_LEN
-from . import cpu_kernel, torch_paged
+from . import cpu_kernel, flex_paged, torch_paged
 from .kv_quant import rotate
 from .plan import StepPlan
 from .workspace import Workspace
 
-_BACKENDS = ("auto", "torch", "cpu", "triton")
+_BACKENDS = ("auto", "torch", "cpu", "triton", "flex")
 
 
 def backend(device: torch.device) -> str:
     """The kernel family for tensors on `device`: "triton" on CUDA, "cpu" (the native CPU kernel for
     decode and verify runs, the torch path for the rest) elsewhere where that kernel builds, else
-    "torch"."""
+    "torch". "flex" (FlexAttention, `flex_paged`) only when asked for: on the CPU it measures slower
+    than "cpu" at every shape of `benchmarks/attention.py`, and on CUDA it has not been measured
+    against Triton."""
     choice = os.environ.get("HF_PAGED_BACKEND", "auto").lower()
     if choice not in _BACKENDS:
         raise ValueError(f"HF_PAGED_BACKEND must be one of {_BACKENDS}, got {choice!r}")
@@ -151,6 +154,14 @@ def _attend(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         return kernel(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
                       max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
                       scales=scales, plan=launch_plan)
+    if name == "flex" and flex_paged.can_run(query, key_cache, value_cache, scales, sinks):
+        if plan is not None:
+            flex_plan = plan.flex_plan(block_tables, seq_lens, cu_seqlens_q, key_cache.shape[1], key_cache.shape[0])
+        else:
+            flex_plan = flex_paged.FlexPlan(block_tables, seq_lens, cu_seqlens_q, key_cache.shape[1],
+                                            key_cache.shape[0])
+        return flex_paged.paged_attention(query, key_cache, value_cache, flex_plan, scale, sliding_window, softcap,
+                                          sinks)
     if plan is not None:
         torch_plan = plan.torch_plan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                      key_cache.shape[1])

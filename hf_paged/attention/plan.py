@@ -4,7 +4,7 @@ FlashInfer splits attention into `plan()`, host-side and once per batch, and `ru
 vLLM v1 builds its `AttentionMetadata` once per step and each layer's backend impl only runs. Ours:
 
     dispatch.plan(step, workspace)   once per step (`KVOwner.begin` / `PagedCache.plan_step`):
-        the backend ("cpu" / "torch" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
+        the backend ("cpu" / "torch" / "flex" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
         (once per step, not per engine: a test or a server that switches it between steps is
         obeyed from the next step on), and the cache's scratch `Workspace`
     dispatch.store_kv(..., plan=)    per layer: writes with the plan's backend
@@ -21,8 +21,9 @@ two kinds (full and sliding layers).
                               split-K partials [num_splits, num_tokens, num_q_heads, head_dim_v] and
                               log-sum-exps, views of the cache's `Workspace`
     per kind, Triton prefill  `triton.prefill.PrefillPlan`: config and tiles
-    per KV group, torch       `torch_paged.AttentionPlan`: gather indices and masks, whose gathers
-                              take the same `Workspace`'s buffers
+    per KV group, torch/cpu   `torch_paged.AttentionPlan`: gather indices and masks, whose gathers
+                              take the same `Workspace`'s buffers; the native kernel's runs
+    per KV group, flex        `flex_paged.FlexPlan`: its calls, block masks and block positions
 
 CUDA graphs: a decode graph's step begins inside the captured forward, so its plan is made by the
 eager warm-up on the same shapes (which sizes the workspace) and again at capture, where it only
@@ -38,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..config import MAX_DECODE_QUERY_LEN
+from .flex_paged import FlexPlan
 from .torch_paged import AttentionPlan
 from .workspace import Workspace
 
@@ -46,7 +48,7 @@ class StepPlan:
     """The attention plan of one step (see the module docstring). Build it with `dispatch.plan`.
 
     Attributes:
-        backend: "cpu", "torch" or "triton", fixed for the step.
+        backend: "cpu", "torch", "flex" or "triton", fixed for the step.
         workspace: the cache's scratch buffers (None: every launch plan allocates its own).
         num_layer_plans: launch plans made so far: one per layer kind (Triton) or KV group (torch),
             never one per layer.
@@ -58,6 +60,7 @@ class StepPlan:
         self.key_limits = key_limits  # [num_tokens] the step's `StepMetadata.key_limits` (torch only)
         self._triton: dict[tuple, object] = {}  # layer kind -> DecodePlan / PrefillPlan
         self._torch: list[tuple[torch.Tensor, int, AttentionPlan]] = []  # (block_tables, block_size, plan)
+        self._flex: list[tuple[torch.Tensor, int, int, FlexPlan]] = []  # (block_tables, block_size, pool, plan)
         self.num_layer_plans = 0
 
     @property
@@ -98,6 +101,24 @@ class StepPlan:
         from .triton.prefill import plan_prefill
 
         return plan_prefill(**shapes)
+
+    def flex_plan(
+        self,
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, one of the step's KV groups'
+        seq_lens: torch.Tensor,  # [num_seqs] int32
+        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
+        block_size: int,
+        num_blocks: int,  # the pool's
+    ) -> FlexPlan:
+        """The flex backend's calls, masks and block positions over `block_tables`, made by the first
+        layer that reads that table."""
+        for tables, size, pool, plan in self._flex:
+            if tables is block_tables and size == block_size and pool == num_blocks:
+                return plan
+        plan = FlexPlan(block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks)
+        self._flex.append((block_tables, block_size, num_blocks, plan))
+        self.num_layer_plans += 1
+        return plan
 
     def torch_plan(
         self,
