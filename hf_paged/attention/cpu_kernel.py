@@ -4,7 +4,7 @@
 workspace, no copy): decode and speculative-verify sequences of a step, all in one call. It is
 compiled on first use with the host's C compiler (`$CC`, else `cc`), `-O3 -march=native -fopenmp`,
 into `$HF_PAGED_KERNEL_CACHE` (default `~/.cache/hf_paged/kernels`), under a name that hashes the
-source, the flags and the compiler's version, and is loaded with ctypes (which releases the GIL for
+source, the flags, the compiler's version and the CPU's flags, and is loaded with ctypes (which releases the GIL for
 the call). Inductor builds its CPU kernels the same way (gcc, OpenMP), so a machine where
 `torch.compile` works builds this too. Without a compiler, or if the build fails, `load()` says why
 once (a warning) and returns None: the step then runs on the torch path (`torch_paged`), which is
@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -56,11 +57,22 @@ def _compiler() -> str | None:
     return shutil.which(cc) or shutil.which("gcc")
 
 
+def _machine() -> str:
+    """What `-march=native` compiles for: a cache shared between machines (a network home) keeps one
+    library per kind of CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc)")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout + _machine()
     source = SOURCE.read_bytes()
     errors = []
     for openmp in (("-fopenmp",), ()):  # a compiler without OpenMP still gets a one-thread kernel

@@ -230,9 +230,17 @@ class _ShortRuns:
 
     def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
                  block_tables: torch.Tensor, block_size: int, num_tokens: int):
-        num_blocks = max(-(-seq_lens[i] // block_size) for i in seqs)
+        used = [-(-seq_lens[i] // block_size) for i in seqs]
+        num_blocks = max(used)
+        if num_blocks > block_tables.shape[1]:
+            raise ValueError(f"paged_attention: a sequence of {max(seq_lens[i] for i in seqs)} tokens needs "
+                             f"{num_blocks} blocks; its block table has {block_tables.shape[1]} columns")
         rows = torch.tensor(seqs, device=block_tables.device)
         self.block_tables = block_tables[rows, :num_blocks].to(torch.int32).contiguous()  # [S, num_blocks]
+        # The kernel reads whatever a block id points at: the ids it will read, checked per call against
+        # the pool (a bad id is an IndexError here, as on the torch path, not a crash).
+        named = self.block_tables[torch.arange(num_blocks)[None, :] < torch.tensor(used)[:, None]]
+        self.block_range = (int(named.min()), int(named.max()))
         self.seq_lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int32)  # [S]
         offsets = [0]
         for i in seqs:
@@ -339,6 +347,9 @@ def paged_attention(
     groups = plan.groups
     runs = plan.short_runs
     if runs is not None and scales is None and cpu_kernel.can_run(query, key_cache, value_cache):
+        if runs.block_range[0] < 0 or runs.block_range[1] >= key_cache.shape[0]:
+            raise IndexError(f"paged_attention: the block tables name blocks {runs.block_range[0]}.."
+                             f"{runs.block_range[1]}, outside the pool of {key_cache.shape[0]} blocks")
         o = cpu_kernel.attend(query if runs.is_whole else query[runs.token_index], key_cache, value_cache,
                               runs.block_tables, runs.seq_lens, runs.cu_seqlens_q, runs.max_q_len * num_q_heads,
                               runs.num_splits, scale, sliding_window, softcap, sinks,

@@ -181,3 +181,22 @@ def test_build_is_cached_by_content(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernel, "_loaded", {})
     assert cpu_kernel.load() is not None
     assert built[0].stat().st_mtime_ns == stamp
+
+
+def test_a_block_id_outside_the_pool_is_an_index_error():
+    """The kernel reads whatever a block id points at, so an id past the pool is refused before the
+    call (IndexError, as the torch path's indexing would raise), never read."""
+    batch = make_paged_batch([(40, 1), (20, 1)], 16, 6, 2, 32, torch.float32, seed=8)
+    batch.block_tables[1, 0] = batch.key_cache.shape[0]  # one past the last block
+    with pytest.raises(IndexError, match="outside the pool"):
+        run(batch, 0.2, native_plan(batch, 16))
+    batch.block_tables[1, 0] = -1
+    with pytest.raises(IndexError, match="outside the pool"):
+        run(batch, 0.2, native_plan(batch, 16))
+
+
+def test_a_table_too_narrow_for_its_sequence_is_a_value_error():
+    batch = make_paged_batch([(40, 1)], 16, 6, 2, 32, torch.float32, seed=9)
+    narrow = batch.block_tables[:, :2]  # 40 tokens need 3 blocks
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        torch_paged.AttentionPlan(narrow, batch.seq_lens, batch.cu_seqlens_q, 1, 40, 16, native=True)
