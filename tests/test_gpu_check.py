@@ -67,7 +67,7 @@ def _generated(rows: list[list[int]], logits: list[list[list[float]]]):
 
 
 def test_bf16_parity_accepts_only_flips_explained_by_a_near_tie():
-    from attention.test_gpu_kernels import _assert_greedy_equal_up_to_near_ties
+    from tests.attention.test_gpu_kernels import _assert_greedy_equal_up_to_near_ties
 
     # prompt width 1, two generated steps, vocab 3; stock's step-1 logits for row 1: token 2 at 5.0,
     # token 1 at 4.8 (a near-tie) and token 0 at 1.0

@@ -39,6 +39,9 @@ LANES = 16
 # Work items (sequence x key split) per thread to aim for; a split keeps at least this many blocks.
 ITEMS_PER_THREAD = 4
 MIN_BLOCKS_PER_SPLIT = 4
+# Below this many bytes of K/V a call runs on one thread: waking OpenMP's team costs more than the
+# work, and its threads would then spin-wait, taking the cores from other processes on the machine.
+PARALLEL_MIN_BYTES = 1 << 20
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _P,
@@ -154,6 +157,7 @@ def attend(
     cu_seqlens_q: torch.Tensor,  # [S + 1] int32, into `query`
     max_rows: int,  # max q_len * Hq
     nsplit: int,
+    kv_tokens: int,  # sum of the runs' lengths (decides whether the call is worth more than one thread)
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
@@ -170,13 +174,15 @@ def attend(
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
+    kv_bytes = kv_tokens * num_kv_heads * (head_dim + head_dim_v) * 4
+    threads = torch.get_num_threads() if kv_bytes >= PARALLEL_MIN_BYTES else 1
     part_ml = scratch("cpu_ml", (num_seqs, nsplit, 2, max_rows))
     part_acc = scratch("cpu_acc", (num_seqs, nsplit, max_rows, head_dim_v))
     status = fn(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                 block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
                 num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size, float(scale),
                 int(sliding_window or 0), float(softcap or 0.0), None if sinks is None else sinks.data_ptr(),
-                nsplit, max_rows, part_ml.data_ptr(), part_acc.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                nsplit, max_rows, part_ml.data_ptr(), part_acc.data_ptr(), out.data_ptr(), threads)
     if status != 0:
         raise ValueError(f"hf_paged CPU kernel: shapes it does not take (Hq={num_q_heads}, Hkv={num_kv_heads}, "
                          f"D={head_dim}, Dv={head_dim_v}, block_size={block_size})")

@@ -59,8 +59,8 @@ class StepPlan:
         self.workspace = workspace
         self.key_limits = key_limits  # [num_tokens] the step's `StepMetadata.key_limits` (torch only)
         self._triton: dict[tuple, object] = {}  # layer kind -> DecodePlan / PrefillPlan
-        self._torch: list[tuple[torch.Tensor, int, AttentionPlan]] = []  # (block_tables, block_size, plan)
-        self._flex: list[tuple[torch.Tensor, int, int, FlexPlan]] = []  # (block_tables, block_size, pool, plan)
+        self._torch: list[tuple[torch.Tensor, tuple, AttentionPlan]] = []  # (block_tables, (block_size,), plan)
+        self._flex: list[tuple[torch.Tensor, tuple, FlexPlan]] = []  # (block_tables, (block_size, pool), plan)
         self.num_layer_plans = 0
 
     @property
@@ -112,13 +112,8 @@ class StepPlan:
     ) -> FlexPlan:
         """The flex backend's calls, masks and block positions over `block_tables`, made by the first
         layer that reads that table."""
-        for tables, size, pool, plan in self._flex:
-            if tables is block_tables and size == block_size and pool == num_blocks:
-                return plan
-        plan = FlexPlan(block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks)
-        self._flex.append((block_tables, block_size, num_blocks, plan))
-        self.num_layer_plans += 1
-        return plan
+        return self._per_table(self._flex, block_tables, (block_size, num_blocks),
+                               lambda: FlexPlan(block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks))
 
     def torch_plan(
         self,
@@ -131,11 +126,17 @@ class StepPlan:
     ) -> AttentionPlan:
         """The torch path's indices and masks over `block_tables`, made by the first layer that reads
         that table (one host sync per step and KV group)."""
-        for tables, size, plan in self._torch:
-            if tables is block_tables and size == block_size:
+        return self._per_table(self._torch, block_tables, (block_size,), lambda: AttentionPlan(
+            block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_size, workspace=self.workspace,
+            key_limits=self.key_limits, native=self.backend == "cpu"))
+
+    def _per_table(self, plans: list, block_tables: torch.Tensor, key: tuple, build):
+        """The plan in `plans` made for this very `block_tables` tensor (a KV group's) and `key`, else
+        a new one from `build()`."""
+        for tables, made_for, plan in plans:
+            if tables is block_tables and made_for == key:
                 return plan
-        plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_size,
-                             workspace=self.workspace, key_limits=self.key_limits, native=self.backend == "cpu")
-        self._torch.append((block_tables, block_size, plan))
+        plan = build()
+        plans.append((block_tables, key, plan))
         self.num_layer_plans += 1
         return plan

@@ -251,6 +251,7 @@ class _ShortRuns:
         self.is_whole = tokens == list(range(num_tokens))
         self.token_index = None if self.is_whole else torch.tensor(tokens)  # [T_short]
         self.max_q_len = max(q_lens[i] for i in seqs)
+        self.kv_tokens = sum(seq_lens[i] for i in seqs)
         self.num_splits = cpu_kernel.num_splits(len(seqs), num_blocks)
 
 
@@ -352,7 +353,7 @@ def paged_attention(
                              f"{runs.block_range[1]}, outside the pool of {key_cache.shape[0]} blocks")
         o = cpu_kernel.attend(query if runs.is_whole else query[runs.token_index], key_cache, value_cache,
                               runs.block_tables, runs.seq_lens, runs.cu_seqlens_q, runs.max_q_len * num_q_heads,
-                              runs.num_splits, scale, sliding_window, softcap, sinks,
+                              runs.num_splits, runs.kv_tokens, scale, sliding_window, softcap, sinks,
                               lambda name, shape: plan.scratch(name, shape, query.device))  # [T_short, Hq, Dv]
         if runs.is_whole:  # every query is a short run's: nothing else to attend
             return o

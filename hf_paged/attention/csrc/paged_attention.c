@@ -157,7 +157,7 @@ int hf_paged_attention_f32(
         return -1;
     const int G = Hq / Hkv;
     const int64_t k_st = (int64_t)Hkv * D, v_st = (int64_t)Hkv * Dv;
-    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)
+    #pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
     for (int s = 0; s < S; s++)
     for (int sp = 0; sp < nsplit; sp++) {
         const int q0 = cu_q[s], ql = cu_q[s + 1] - cu_q[s], L = seq_lens[s], R = ql * Hq;
@@ -221,7 +221,7 @@ int hf_paged_attention_f32(
             }
         }
     }
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (int s = 0; s < S; s++) {
         const int q0 = cu_q[s], ql = cu_q[s + 1] - cu_q[s];
         for (int r = 0; r < ql * Hq; r++) {
