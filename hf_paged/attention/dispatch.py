@@ -160,8 +160,10 @@ def _attend(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         else:
             flex_plan = flex_paged.FlexPlan(block_tables, seq_lens, cu_seqlens_q, key_cache.shape[1],
                                             key_cache.shape[0])
-        return flex_paged.paged_attention(query, key_cache, value_cache, flex_plan, scale, sliding_window, softcap,
-                                          sinks)
+        out = flex_paged.paged_attention(query, key_cache, value_cache, flex_plan, scale, sliding_window, softcap,
+                                         sinks)
+        if out is not None:
+            return out  # None: a shape past flex's compile limit, which the torch path runs
     if plan is not None:
         torch_plan = plan.torch_plan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                                      key_cache.shape[1])

@@ -44,6 +44,7 @@ PREFILL_TILE = 64  # query rows per tile of a long run
 RECOMPILE_LIMIT = 64
 
 compile_seconds: dict[tuple, float] = {}  # bucket -> seconds of its first call (compile included)
+_warned: list[bool] = []  # the compile limit was reached (said once)
 _compiled = None
 
 
@@ -194,8 +195,10 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
-) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
-    """`torch_paged.paged_attention`'s contract over `plan`'s calls (see the module docstring)."""
+) -> torch.Tensor | None:  # [num_tokens, num_q_heads, head_dim_v]
+    """`torch_paged.paged_attention`'s contract over `plan`'s calls (see the module docstring); None
+    when a call's shape is past the compile limit (`RECOMPILE_LIMIT` shapes): the caller runs the
+    torch path instead."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     head_dim_v = value_cache.shape[3]
@@ -216,9 +219,18 @@ def paged_attention(
                   query.dtype, query.device.type, sliding_window is not None, softcap is not None)
         first = bucket not in compile_seconds
         start = time.perf_counter()
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            result = kernel(q, keys, values, score_mod=score_mod, block_mask=mask, scale=scale,
-                            enable_gqa=num_q_heads != num_kv_heads, return_lse=sinks is not None)
+        # Past the limit torch.compile would run flex eagerly, which reads this block mask wrongly
+        # (measured: garbage slots attended); it must fail instead, and the torch path run the call.
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+                result = kernel(q, keys, values, score_mod=score_mod, block_mask=mask, scale=scale,
+                                enable_gqa=num_q_heads != num_kv_heads, return_lse=sinks is not None)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            if not _warned:
+                _warned.append(True)
+                logger.warning("hf_paged flex: %d shapes compiled, the most it keeps; calls of new shapes run on "
+                               "the torch path", RECOMPILE_LIMIT)
+            return None
         o, lse = result if sinks is not None else (result, None)
         if first:
             compile_seconds[bucket] = time.perf_counter() - start

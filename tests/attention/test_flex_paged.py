@@ -101,3 +101,19 @@ def test_compiles_once_per_bucket():
     assert_matches(run(second, 0.2), naive_batch(second, 0.2), torch.float32)
     assert counters["stats"]["unique_graphs"] == graphs
     assert flex_paged.compile_seconds == recorded
+
+
+def test_shapes_past_the_compile_limit_run_on_the_torch_path(monkeypatch, caplog):
+    """Past torch.compile's limit flex would run eagerly, which reads the block mask wrongly (it
+    attended garbage slots when measured); instead the call returns None and dispatch runs the torch
+    path, with one warning."""
+    monkeypatch.setattr(flex_paged, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(flex_paged, "_warned", [])
+    monkeypatch.setenv("HF_PAGED_BACKEND", "flex")
+    with caplog.at_level("WARNING", logger="hf_paged.attention.flex_paged"):
+        for block_size, heads in ((8, (3, 1)), (8, (4, 2))):  # two new shapes: at most one compiles
+            b = make_paged_batch([(21, 1), (9, 3)], block_size, *heads, 32, torch.float32, seed=41)
+            out = dispatch.paged_attention(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                                           b.cu_seqlens_q, b.max_seqlen_q, b.max_seqlen_k, 0.2)
+            assert_matches(out, naive_batch(b, 0.2), torch.float32)
+    assert sum("the most it keeps" in r.message for r in caplog.records) == 1
