@@ -76,7 +76,6 @@ class _Call:
         q_pos[:len(rows)] = torch.tensor([p for _, _, p in rows], dtype=torch.int64)
         self.q_pos = q_pos.to(device)  # [padded], -1 on padding rows (they see nothing)
         # per tile: its sequence's blocks up to the tile's last query, split into partial and full
-        self.kv = []  # (kv_num_blocks, kv_indices) per tile kind, filled by `mask`
         self._tiles = []
         for tile in range(tiles):
             members = rows[tile * q_tile:(tile + 1) * q_tile]
@@ -86,7 +85,7 @@ class _Call:
             seq = members[0][1]
             first, last = min(p for _, _, p in members), max(p for _, _, p in members)
             self._tiles.append((seq, first, last))
-        self.block_tables, self.seq_lens, self.block_size = block_tables, seq_lens, block_size
+        self.block_tables, self.block_size = block_tables, block_size
         self.num_blocks, self.device = num_blocks, device
         self._masks: dict[int | None, object] = {}
 
