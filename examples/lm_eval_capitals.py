@@ -84,8 +84,9 @@ def write_tasks(root: Path) -> Path:
     return root
 
 
-def evaluate(checkpoint, task_dir, attn: str, batch_size: int = 8) -> dict:
-    """`lm_eval.simple_evaluate` with the `hf` backend, every sample logged; adds "seconds"."""
+def evaluate(checkpoint, task_dir, attn: str, batch_size: int = 8, limit: int | None = None) -> dict:
+    """`lm_eval.simple_evaluate` with the `hf` backend, every sample logged (the first `limit` documents of
+    each task, or all); adds "seconds"."""
     lm_eval = require("lm_eval", "eval")
     from lm_eval.tasks import TaskManager
 
@@ -94,7 +95,7 @@ def evaluate(checkpoint, task_dir, attn: str, batch_size: int = 8) -> dict:
     results = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={checkpoint},attn_implementation={attn},dtype=float32", tasks=TASKS,
         task_manager=TaskManager(include_path=str(task_dir)), batch_size=batch_size, device="cpu",
-        log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0)
+        log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, limit=limit)
     results["seconds"] = time.perf_counter() - began
     return results
 

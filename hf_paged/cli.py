@@ -125,8 +125,10 @@ def _batch_job(parser, args) -> int:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from .transformers_api import local_load_kwargs
+
         model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype=dtype,
-                                                     local_files_only=True).to(device).eval()
+                                                     **local_load_kwargs()).to(device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args).engine_kwargs(), show_progress=False)
     return _run_batch_job(engine, tokenizer, args)

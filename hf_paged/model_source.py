@@ -1,11 +1,13 @@
 """Models named on the command line: a local folder, a factory `module:callable`, or "default" (the
 embedded SmolLM2-135M-Instruct). Shared by `hf-paged serve` and the disaggregated engine's workers
 (`ModelFromPath` is picklable: it crosses to each worker process), so it belongs to neither: a leaf
-that imports nothing of hf_paged (the default model is named by its factory's path)."""
+that imports only the leaf `transformers_api` (the default model is named by its factory's path)."""
 
 from __future__ import annotations
 
 import os
+
+from .transformers_api import local_load_kwargs
 
 # `--model default`: the package's embedded model, named by its factory (nothing in the chain imports defaults).
 DEFAULT_FACTORY = "hf_paged.defaults.models:load_default"
@@ -50,8 +52,8 @@ class ModelFromPath:
         if (model_type not in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
                 and model_type in modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
             auto = AutoModelForImageTextToText  # a vision-language model (LLaVA, Mistral 3, ...)
-        return auto.from_pretrained(self.path, attn_implementation="hf_paged", local_files_only=True,
-                                    **self._load_kwargs()), tokenizer
+        return auto.from_pretrained(self.path, attn_implementation="hf_paged",
+                                    **(local_load_kwargs() | self._load_kwargs())), tokenizer
 
     def processor(self):
         """The folder's multimodal processor (transformers' `AutoProcessor`), or None: a factory, the

@@ -5,7 +5,7 @@
 #                 llama-8b's shapes (bf16, block 16; `python -m hf_paged.attention.triton.tune`), merged
 #                 into OUT/tuned_configs.json: copy it over hf_paged/attention/triton/ and commit it, so
 #                 that later runs skip the search. Every later stage launches with these winners.
-#   kernels       benchmarks/kernels.py --quick: decode GB/s and % of peak HBM, prefill TFLOP/s beside
+#   kernels       benchmarks/kernel_bench.py --quick: decode GB/s and % of peak HBM, prefill TFLOP/s beside
 #                 SDPA flash, with the two kernel targets' verdicts.
 #   pytest-core   pytest -m cuda on what is new or whole-model: CUDA-graph replay against eager, one
 #                 device read per step, tuned configs against the reference, SmolLM2 generate vs stock.
@@ -152,13 +152,13 @@ fi
 R=$STAGE/results
 if [ "$MODE" = dry ]; then
   run_stage tune 120 "$PY" -m hf_paged.attention.triton.tune --list
-  run_stage kernels 180 "$PY" benchmarks/kernels.py --dry-run --json "$R/kernels.json"
+  run_stage kernels 180 "$PY" benchmarks/kernel_bench.py --dry-run --json "$R/kernels.json"
   run_stage pytest-core 300 "${PYTEST[@]}" --junitxml "$R/pytest-core.xml" "${CORE[@]}"
   run_stage pytest-matrix 300 "${PYTEST[@]}" --junitxml "$R/pytest-matrix.xml" "${MATRIX[@]}"
   run_stage throughput 300 "$PY" benchmarks/throughput.py --device cuda --json "$R/throughput.json"
 else
   run_stage tune 75 "$PY" -m hf_paged.attention.triton.tune --out "$R/tuned_configs.json"
-  run_stage kernels 60 "$PY" benchmarks/kernels.py --quick --json "$R/kernels.json"
+  run_stage kernels 60 "$PY" benchmarks/kernel_bench.py --quick --json "$R/kernels.json"
   if [ "$MODE" = full ]; then
     run_stage pytest-core 90 "${PYTEST[@]}" --junitxml "$R/pytest-core.xml" "${CORE[@]}"
     run_stage pytest-matrix 90 "${PYTEST[@]}" --junitxml "$R/pytest-matrix.xml" "${MATRIX[@]}"

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_paged.transformers_api import private_names
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_paged"
 
 # The serving stack, bottom to top: a sub-package may import only those before it (and itself).
@@ -27,7 +29,7 @@ FRONTS = ["disagg", "serve", "parallel"]
 # They stand apart: nothing of the chain imports them, and they import only the leaf `config`
 # (`defaults` uses the package only through transformers' public `attn_implementation` flag).
 APART = ["planner", "defaults"]
-LEAVES = {"config", "text", "sampling_params", "structured_outputs", "model_source", "optional"}  # import only each other; anyone may import them
+LEAVES = {"config", "text", "sampling_params", "structured_outputs", "model_source", "optional", "transformers_api"}  # import only each other; anyone may import them
 TOP = {"__init__", "cli"}  # the public front: may import anything, imported by nobody below
 
 
@@ -238,20 +240,9 @@ def test_no_private_names_imported_across_sub_packages():
     assert not bad, "\n".join(bad)
 
 
-# Private attributes that belong to torch / transformers objects, read the way their own code does
-# (`_prepare_generation_config`, `_prepare_generated_length`, `_prepare_special_tokens`: transformers'
-# own merge of generation configs, lengths and special tokens, `_get_logits_processor`, its own
-# processors for the finished rows' scores, and `_get_stopping_criteria`, its own stopping criteria
-# called step by step on the engine's rows, used by the version-guarded integrations so that drop-in
-# generate sees and returns exactly what stock does).
-# Private names of transformers and torch that hf_paged uses on purpose (each with its own version check or
-# probe): `_linear_pointwise` is the oneDNN linear op Inductor calls, probed by `hf/linear.py` before use.
-# `os._exit` is public despite its name: how a disaggregated worker process ends without interpreter
-# teardown blocking on a process group whose peers may be dead.
-FOREIGN_PRIVATES = {"_attn_implementation", "_version", "_prepare_generation_config", "_prepare_generated_length",
-                    "_prepare_special_tokens", "_get_logits_processor", "_get_stopping_criteria",
-                    "_linear_pointwise", "_exit",
-                    "_dynamo"}  # torch._dynamo.config.patch(recompile_limit=): the knob torch's own error names
+# Private attributes of transformers and torch objects that hf_paged reads on purpose: one list, with what
+# uses each and the releases it was checked on (`hf_paged.transformers_api`).
+FOREIGN_PRIVATES = private_names()
 
 
 def test_no_private_attribute_reach_ins():
@@ -484,3 +475,18 @@ def test_the_reach_in_finder_finds(src):
 ])
 def test_the_reach_in_finder_allows(src):
     assert not _part_reach_ins(ast.parse(src))
+
+
+def test_no_script_shadows_an_installed_package():
+    """`python benchmarks/x.py` puts `benchmarks/` first on `sys.path`: a script named like an installed
+    package hides it from everything imported after (`benchmarks/kernels.py` hid HF's `kernels`, which
+    transformers 5.25 imports with every model)."""
+    import pkgutil
+    import site
+
+    root = PACKAGE.parent
+    installed = {m.name for m in pkgutil.iter_modules(site.getsitepackages())} | set(sys.stdlib_module_names)
+    clashes = [f"{path.relative_to(root)} hides the installed `{path.stem}`"
+               for folder in ("benchmarks", "examples", "scripts") for path in (root / folder).glob("*.py")
+               if path.stem in installed]
+    assert not clashes, "\n".join(clashes)

@@ -29,6 +29,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..transformers_api import local_load_kwargs
+
 try:  # POSIX only; elsewhere the atomic rename alone keeps the cache consistent.
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -169,7 +171,7 @@ def load_default(
     """
     path = ensure_default_checkpoint()
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True, **load_kwargs
+        path, dtype=dtype, attn_implementation=attn_implementation, **(local_load_kwargs() | load_kwargs)
     ).eval()
     if device is not None:
         model.to(device)
@@ -195,7 +197,7 @@ def _write_checkpoint(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     start = time.perf_counter()
     source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(**source)
-    gguf_model = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+    gguf_model = AutoModelForCausalLM.from_pretrained(**(source | local_load_kwargs()), dtype=torch.float32)
     # save_pretrained refuses a GGUF-quantised model: rebuild a plain one from the same config.
     config = gguf_model.config
     if hasattr(config, "quantization_config"):

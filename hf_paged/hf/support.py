@@ -12,6 +12,8 @@ import ast
 import functools
 import inspect
 import textwrap
+import warnings
+import weakref
 
 import torch
 
@@ -168,6 +170,41 @@ def check_attention_routed(model) -> None:
             reason = attention_refusal(type(module), config) or cached_kv_refusal(type(module), config)
             if reason is not None:
                 raise ValueError(reason)
+    _warn_hub_kernels_once(model)
+
+
+def hub_kernel_conflicts(model: torch.nn.Module) -> list[str]:
+    """The modules of `model` whose `forward` a hub kernel replaced (transformers' `use_kernels`, which
+    is on by default from 5.25: the `kernels` package marks such a module with `_kernel_repo`) and
+    which read or write the cache: an attention or mixer layer (it carries a `layer_idx`) or a module
+    holding one. hf_paged relies on those calling transformers' attention interface with the step's
+    metadata, which a replaced forward need not do. Norms, activations and rotary functions (what
+    transformers' default mapping replaces) are no conflict."""
+    found = []
+    for name, module in model.named_modules():
+        repo = module.__dict__.get("_kernel_repo")
+        if repo is not None and any(getattr(m, "layer_idx", None) is not None for m in module.modules()):
+            layer = getattr(type(module), "kernel_layer_name", type(module).__name__)
+            found.append(f"{name or type(module).__name__} ({type(module).__name__}: hub kernel {layer!r} from "
+                         f"{getattr(repo, 'repo_id', repo)})")
+    return found
+
+
+_warned_hub_kernels: weakref.WeakSet = weakref.WeakSet()
+
+
+def _warn_hub_kernels_once(model: torch.nn.Module) -> None:
+    if model in _warned_hub_kernels:
+        return
+    conflicts = hub_kernel_conflicts(model)
+    if conflicts:
+        _warned_hub_kernels.add(model)
+        warnings.warn(
+            "hf_paged: transformers' hub kernels replaced the forward of layers that read the KV cache: "
+            f"{'; '.join(conflicts)}. hf_paged needs them to call the 'hf_paged' attention with each step's "
+            "metadata; load the model with use_kernels=False (or USE_HUB_KERNELS=0) if generation fails or differs",
+            stacklevel=3,
+        )
 
 
 def has_latent_kv(config) -> bool:

@@ -59,6 +59,7 @@ from ..engine.outputs import CompletionOutput
 from ..hf import PagedCache
 from ..hf.multimodal import ImageSupport
 from ..hf.support import has_latent_kv
+from ..transformers_api import stock_penalty_skips_padding
 from .images import expanded_images, image_data_of, image_side_inputs, row_prompts
 from .returned_cache import ReturnedCache
 from .logits_processors import StockProcessors, plan_processors, pool_holds_rows
@@ -553,8 +554,10 @@ def _padding_visible_to_processors(params, paddings: list[set[int]], rows: list[
     """Whether stock's processors could treat a row's left padding as tokens where the engine (which
     never sees it) does not. Stock hands its processors the padded `input_ids`, so they see each row's
     own padding ids (`paddings`, from `_paddings`: the ids under the mask, which need not be
-    `pad_token_id`, and may differ from row to row and within a row); two of them read it (the
-    repetition penalty skips the padding, `prompt_ignore_length`):
+    `pad_token_id`, and may differ from row to row and within a row); these read it:
+
+    * `repetition_penalty`: from 5.23 stock skips the padding (`prompt_ignore_length`); before, it
+      penalises the padding ids as seen tokens (checked before the run, for any padded row);
 
     * `bad_words_ids`: a multi-token word is matched against the last tokens, pads included, so a word
       whose prefix holds one of a padded row's padding ids can match that row's padding (checked
@@ -571,7 +574,7 @@ def _padding_visible_to_processors(params, paddings: list[set[int]], rows: list[
         return False
     size = params.no_repeat_ngram_size
     if before_run:
-        if size == 1:
+        if size == 1 or params.repetition_penalty != 1.0 and not stock_penalty_skips_padding():
             return True
         return any(len(w) > 1 and not pads.isdisjoint(w[:-1])
                    for pads in paddings if pads for w in params.bad_words_ids or ())

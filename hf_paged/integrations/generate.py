@@ -15,7 +15,8 @@ Four small wraps, all undone by `uninstall()`:
   classes): after it ran, a default `DynamicCache` is swapped for a `PagedCache`, and any
   `PagedCache` in play is attached (`hf_paged.hf.attach`).
 
-The only module that patches transformers: checked against the installed version, reversible.
+The only module that patches transformers: checked against the installed version and the internals it
+relies on (`hf_paged.transformers_api`), reversible.
 """
 
 from __future__ import annotations
@@ -26,29 +27,22 @@ import warnings
 import weakref
 
 import torch
-import transformers
-from packaging.version import Version
 from transformers import DynamicCache
 from transformers.generation.utils import GenerationMixin
 
 from ..config import PagedCacheConfig
 from ..hf import PagedCache, attach
+from ..transformers_api import (ALLOW_UNTESTED_ENV, SUPPORTED_TRANSFORMERS, installed_version, is_supported_version,
+                               untested_allowed)
+from ..transformers_api import problems as api_problems
 from .intercept import current_answer
 from .returned_cache import ReturnedCache
 
 logger = logging.getLogger(__name__)
 
-# The range this patch was written and tested against (pyproject.toml declares the same).
-SUPPORTED_TRANSFORMERS = (Version("5.22.0"), Version("5.25.0"))
 _TARGET = "_prepare_cache_for_generation"
 _original = None
 _original_generate = None
-
-
-def is_supported_version(version: str | None = None) -> bool:
-    v = Version(version or transformers.__version__)
-    low, high = SUPPORTED_TRANSFORMERS
-    return low <= Version(v.base_version) < high
 
 
 def is_installed() -> bool:
@@ -56,15 +50,30 @@ def is_installed() -> bool:
 
 
 def install() -> bool:
-    """Wrap `_prepare_cache_for_generation`. Idempotent; returns whether the patch is active."""
+    """Wrap `_prepare_cache_for_generation` (and install the other wraps). Idempotent; returns whether
+    the patch is active. Not installed, with one warning, on a transformers outside the supported range
+    (unless `HF_PAGED_ALLOW_UNTESTED_TRANSFORMERS=1`) or whose internals no longer match
+    `transformers_api.PRIVATE_API`: stock generate then serves every call."""
     global _original
     if _original is not None:
         return True
-    if not is_supported_version():
-        low, high = SUPPORTED_TRANSFORMERS
+    low, high = SUPPORTED_TRANSFORMERS
+    if not is_supported_version() and not untested_allowed():
         warnings.warn(
-            f"hf_paged: transformers {transformers.__version__} is outside the tested range [{low}, {high}); "
-            "generate will not pick a PagedCache automatically (pass cache=PagedCache(...) explicitly)",
+            f"hf_paged: transformers {installed_version()} is outside the tested range [{low}, {high}); "
+            "generate will not pick a PagedCache automatically (pass cache=PagedCache(...) explicitly, or set "
+            f"{ALLOW_UNTESTED_ENV}=1 to try the drop-in patch on it)",
+            stacklevel=2,
+        )
+        return False
+    if not is_supported_version():
+        warnings.warn(f"hf_paged: transformers {installed_version()} is outside the tested range [{low}, {high}); "
+                      f"{ALLOW_UNTESTED_ENV} is set, so the drop-in patch is installed anyway", stacklevel=2)
+    broken = api_problems()
+    if broken:
+        warnings.warn(
+            "hf_paged: the drop-in patch is not installed (stock generate serves every call): transformers' "
+            "internals it relies on changed:\n  " + "\n  ".join(broken),
             stacklevel=2,
         )
         return False

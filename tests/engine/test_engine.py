@@ -19,6 +19,8 @@ from hf_paged.hf.support import layer_windows_of
 from tiny_models import CONFIGS, STOCK_ATTN, VOCAB, left_padded_batch, stock_greedy, tiny_model
 from tiny_models import CharTokenizer as _CharTokenizer
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 NEW = 12
 LENGTHS = [5, 40, 17, 70, 1, 33, 16]
 

@@ -179,6 +179,11 @@ FAMILY_CONFIG: dict[str, dict] = {
                    "vision_config": {"adapter_in_dim": 32, "adapter_out_dim": 32},
                    "audio_config": {"adapter_input_size": 32, "adapter_out_dim": 32}},
     "granite_docling": {"vision_config": {"out_hidden_size": 32, "deepstack_visual_indexes": [0]}},
+    "llava_onevision1_5": {"vision_config": {"out_hidden_size": 32}},
+    # Pixtral towers default to 1540px images: 12k patches and a 3k-token prompt per image (17 s a family);
+    # 56px (4x4 patches of 14, merged 2x2) keeps every path and takes well under a second.
+    "mistral3": {"vision_config": {"image_size": 56}},
+    "lighton_ocr": {"vision_config": {"image_size": 56}},
     "inkling2": {"text_config": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
                                  "sliding_window_size": 8},
                  "vision_config": {"text_hidden_size": 32}},
@@ -251,6 +256,10 @@ FAMILY_CONFIG: dict[str, dict] = {
     "bailing_hybrid": {"linear_head_dim": 8, "linear_num_heads": 4},
     "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 1},
+    # a sliding layer and an indexer (sparse, indexed attention): the index and K/V-source layouts of two layers;
+    # head_dim 16 for its NVFP4 rounding of keys and values, an indexer head per query head of a key head (4 / 2)
+    "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1], "head_dim": 16, "index_num_heads": 2,
+                   "kv_source_layers": [0, 1]},
     # an input, a recurrent (run per loop) and an output layer
     "dory": {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
              "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1},
@@ -365,8 +374,6 @@ NOT_COVERED: dict[str, str] = {
     "perception_lm": _TIMM,
     "gemma4_assistant": _DRAFT,
     "gemma4_unified_assistant": _DRAFT,
-    "llama4": ("(image-text-to-text) stock transformers 5.24's Llama4ForConditionalGeneration.forward reads "
-               "`image_outputs` from its text model's output, which has none, on every call; the causal "
-               "Llama 4 is refused (chunked attention)"),
     "pi0": "an action model: its class does not generate",
+    "pi05": "an action model: its class does not generate",
 }

@@ -24,12 +24,13 @@ Each family ends in one class (`Outcome.kind`):
 - different    tokens or logits differ from stock's (a defect);
 - crash        hf_paged failed with anything but a clear refusal (a defect).
 
-`python tests/hf/family_sweep.py [TYPE ...]` prints the table the README's architecture list is
-generated from (`--readme` rewrites that list).
+`python tests/hf/family_sweep.py [TYPE ...] [--workers=N]` prints the table the README's architecture
+list is generated from (`--readme` rewrites that list).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -257,12 +258,25 @@ def _stock_attn(model_class) -> str:
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
-def _build(model_class, config, attn: str, dtype=torch.float32, setup=None):
-    """A model of its own config copy: `_from_config` keeps the object, and the attention choice with it."""
+def _build(model_class, config, attn: str, dtype=torch.float32, setup=None, weights_of=None):
+    """A model of its own config copy: `_from_config` keeps the object, and the attention choice with it.
+    With `weights_of`, a model of the same class whose parameters and buffers (non-persistent ones
+    too: rotary tables) it takes, skipping its own random initialisation (most of a tiny model's
+    build time: the full-size vocabulary's embeddings)."""
+    from transformers.initialization import no_init_weights
+
     torch.manual_seed(0)
-    model = model_class._from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype).eval()
+    with no_init_weights() if weights_of is not None else contextlib.nullcontext():
+        model = model_class._from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype).eval()
     if setup is not None:
         setup(model)
+    if weights_of is not None:
+        model.tie_weights()  # what the skipped initialisation would have done last
+        model.load_state_dict(weights_of.state_dict())
+        theirs = dict(weights_of.named_buffers())
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(theirs[name])
     return model
 
 
@@ -315,6 +329,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
             del gen["pad_token_id"]
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            torch.manual_seed(0)  # a generate that draws (a diffusion decoder's canvas) draws alike on both sides
             want = _sequences(stock.generate(**text, **extra, **gen))
             want_logits = stock(**text, use_cache=False, **extra).logits
     except Exception as exc:  # noqa: BLE001 - classified, with its reason
@@ -325,9 +340,9 @@ def run_family(model_type: str, mapping: str) -> Outcome:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            paged = _build(model_class, config, "hf_paged", setup=FAMILY_SETUP.get(model_type))
-            paged.load_state_dict(stock.state_dict())
+            paged = _build(model_class, config, "hf_paged", setup=FAMILY_SETUP.get(model_type), weights_of=stock)
             with torch.no_grad():
+                torch.manual_seed(0)
                 got = _sequences(paged.generate(**text, **extra, **gen))
                 checks.append("generate")
                 got_logits = paged(**text, use_cache=False, **extra).logits
@@ -354,6 +369,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
             image_ids, image_mask, images = image_inputs(stock, config, rows)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                torch.manual_seed(0)
                 want = stock.generate(input_ids=image_ids, attention_mask=image_mask, **images, **gen)
         except Exception as exc:  # noqa: BLE001
             checks.append(f"images not built: {type(exc).__name__}")
@@ -361,6 +377,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
             try:
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
+                    torch.manual_seed(0)
                     got = paged.generate(input_ids=image_ids, attention_mask=image_mask, **images, **gen)
             except Exception as exc:  # noqa: BLE001
                 if _is_refusal(exc):
@@ -487,8 +504,26 @@ def families() -> list[tuple[str, str]]:
     return seen
 
 
-def run_sweep(only: set[str] | None = None, echo: bool = False) -> list[Outcome]:
-    """Every family (or those in `only`), quietly: transformers' warnings and logs are silenced."""
+def run_sweep(only: set[str] | None = None, echo: bool = False, skip: set[str] = frozenset(),
+              workers: int = 1) -> list[Outcome]:
+    """Every family (or those in `only`, less those in `skip`), quietly: transformers' warnings and logs
+    are silenced. With `workers` > 1 the families are shared round-robin among that many fresh
+    processes of one torch thread each (tiny models gain nothing from a second thread; a second
+    process halves the sweep on two cores); the outcomes come back in the sweep's order."""
+    chosen = [(t, m) for t, m in families() if (not only or t in only) and t not in skip]
+    if workers <= 1 or len(chosen) < 2 * workers:
+        return _run_quietly(chosen, echo)
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        parts = list(pool.map(_run_quietly, [chosen[i::workers] for i in range(workers)], [echo] * workers))
+    by_family = {(o.model_type, o.mapping): o for part in parts for o in part}
+    return [by_family[family] for family in chosen]
+
+
+def _run_quietly(chosen: list[tuple[str, str]], echo: bool) -> list[Outcome]:
     import logging
 
     import transformers
@@ -499,9 +534,7 @@ def run_sweep(only: set[str] | None = None, echo: bool = False) -> list[Outcome]
     ours.setLevel(logging.ERROR)
     outcomes = []
     try:
-        for model_type, mapping in families():
-            if only and model_type not in only:
-                continue
+        for model_type, mapping in chosen:
             out = run_family(model_type, mapping)
             outcomes.append(out)
             if echo:
@@ -523,7 +556,8 @@ def rewrite_readme(path, block: str) -> None:
 if __name__ == "__main__":
     readme = "--readme" in sys.argv
     only = {a for a in sys.argv[1:] if not a.startswith("--")}
-    results = run_sweep(only, echo=True)
+    workers = next((int(a.removeprefix("--workers=")) for a in sys.argv if a.startswith("--workers=")), 1)
+    results = run_sweep(only, echo=True, workers=workers)
     totals = {}
     for o in results:
         totals[o.kind] = totals.get(o.kind, 0) + 1

@@ -113,9 +113,13 @@ def test_encoder_decoders_keep_their_identical_dense_fallback(model_type):
 def test_the_load_check_is_part_of_the_reversible_patch():
     hf_paged.integrations.uninstall()
     try:
-        with pytest.raises(KeyError):  # transformers' own failure, which the check replaces
+        # Without the check, transformers' own behaviour: a KeyError from Falcon's attention lookup before
+        # 5.25, a model that loads from 5.25 on (its attention moved to the interface without declaring it).
+        try:
             AutoModelForCausalLM.from_config(_config("falcon", **REFUSED_AT_LOAD["falcon"]),
                                              attn_implementation="hf_paged")
+        except KeyError:
+            pass
     finally:
         hf_paged.integrations.install()
     with pytest.raises(ValueError, match="attention interface"):

@@ -32,6 +32,7 @@ def _assert_parity(ref, out):
     assert worst <= LOGITS_ATOL, f"max |logit diff| {worst:.2e} > {LOGITS_ATOL}"
 
 
+@pytest.mark.parity
 def test_batched_left_padded_parity(model_and_tokenizer):
     model, tokenizer = model_and_tokenizer
     inputs = chat_inputs(tokenizer)
@@ -46,6 +47,7 @@ def test_batched_left_padded_parity(model_and_tokenizer):
     assert cache_of(out).stats()["num_tokens"] == int(lengths.sum()) + len(CHAT_PROMPTS) * (NEW_TOKENS - 1)
 
 
+@pytest.mark.parity
 def test_one_at_a_time_parity(model_and_tokenizer):
     """Unpadded, one prompt per call: the shortest, a middle and the longest chat prompt (the batched test
     above runs all eight)."""

@@ -12,6 +12,8 @@ from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenalty
 from hf_paged import Engine, SamplingParams
 from tiny_models import VOCAB, left_padded_batch, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 
 class Recorder(LogitsProcessor):
     """Records every call; bans, per row, the token after its last one (so it depends on input_ids), and

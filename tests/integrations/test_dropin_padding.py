@@ -19,6 +19,8 @@ from hf_paged.engine import Engine
 from hf_paged.sampling_params import SamplingParams
 from tiny_models import VOCAB, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 PADDING = 123  # the id under the mask; the generation config's pad_token_id is 0
 OTHER = 77  # a second padding id, mixed into one row's padding
 WIDTH = 9

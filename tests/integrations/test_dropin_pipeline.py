@@ -14,6 +14,8 @@ import hf_paged  # noqa: F401  (installs the patches)
 from hf_paged.engine import Engine
 from hf_paged.integrations import pipeline as paged_pipeline
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 WORDS = ("the cat sat on a mat while seven quick foxes jumped over lazy dogs near old rivers and "
          "bright stars shone above quiet hills").split()
 

@@ -13,7 +13,9 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
 import hf_paged
 from hf_paged.integrations.returned_cache import ReturnedCache
-from tiny_models import STOCK_ATTN, left_padded_batch, tiny_model
+from tiny_models import STOCK_ATTN, cache_of, left_padded_batch, tiny_model, with_cache
+
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
 
 GEN = dict(do_sample=False, pad_token_id=0, return_dict_in_generate=True)
 
@@ -31,10 +33,10 @@ def _turns(model, ids, mask, news, **gen):
     for new in [None, *news]:
         if new is not None:
             ids, mask = _extend(outs[-1], mask, new)
-        out = model.generate(ids, attention_mask=mask, **GEN, **gen, **({"cache": cache} if cache is not None else {}))
-        assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+        out = model.generate(ids, attention_mask=mask, **GEN, **gen, **(with_cache(cache) if cache is not None else {}))
+        assert cache_of(out).get_seq_length() == out.sequences.shape[1] - 1
         outs.append(out)
-        cache = out.cache
+        cache = cache_of(out)
     return outs
 
 
@@ -60,12 +62,13 @@ def test_continuing_from_the_returned_cache_equals_stock_and_reuses_the_kv(arch,
     for t, new in enumerate([None, *news]):
         if new is not None:
             cur_ids, cur_mask = _extend(outs[-1], cur_mask, new)
-        out = model.generate(cur_ids, attention_mask=cur_mask, **GEN, **gen, **({"cache": cache} if cache else {}))
+        out = model.generate(cur_ids, attention_mask=cur_mask, **GEN, **gen, **(with_cache(cache) if cache else {}))
         forwarded.append(model.hf_paged_last_metrics["num_forward_tokens"])
-        assert isinstance(out.cache, ReturnedCache) and (cache is None or out.cache is cache)  # updated in place
-        assert out.cache.get_seq_length() == out.sequences.shape[1] - 1  # stock's: every column fed so far
+        # updated in place
+        assert isinstance(cache_of(out), ReturnedCache) and (cache is None or cache_of(out) is cache)
+        assert cache_of(out).get_seq_length() == out.sequences.shape[1] - 1  # stock's: every column fed so far
         outs.append(out)
-        cache = out.cache
+        cache = cache_of(out)
     assert engine_calls == [True] * 3
     for a, b in zip(ref, outs):
         assert torch.equal(a.sequences, b.sequences)
@@ -104,9 +107,9 @@ def test_a_three_turn_chat_on_smollm2_equals_stock_and_computes_only_the_new_tok
                                                  return_tensors="pt", return_dict=True)["input_ids"]
             ids = user if ids is None else torch.cat([outs[-1].sequences, user], dim=1)
             out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                             return_dict_in_generate=True, **({"cache": cache} if cache is not None else {}))
+                             return_dict_in_generate=True, **(with_cache(cache) if cache is not None else {}))
             outs.append(out)
-            cache = out.cache
+            cache = cache_of(out)
             computed.append((ids.shape[1], getattr(m, "hf_paged_last_metrics", {}).get("num_forward_tokens")))
         return outs, computed
 
@@ -133,22 +136,22 @@ def test_crop_select_and_repeat_act_on_the_kept_rows_as_on_stocks_cache():
 
     def run(m):
         out = m.generate(ids, attention_mask=mask, max_new_tokens=6, **GEN)
-        cache = out.cache
+        cache = cache_of(out)
         cache.crop(-2)  # forget the last two columns: they are recomputed from the ids
         nxt_ids, nxt_mask = _extend(out, mask, new)
-        cont = m.generate(nxt_ids, attention_mask=nxt_mask, max_new_tokens=4, cache=cache, **GEN)
-        cont.cache.batch_select_indices(torch.tensor([1, 1, 0]))  # rows repeated: shared copy-on-write
+        cont = m.generate(nxt_ids, attention_mask=nxt_mask, max_new_tokens=4, **with_cache(cache), **GEN)
+        cache_of(cont).batch_select_indices(torch.tensor([1, 1, 0]))  # rows repeated: shared copy-on-write
         ids3, mask3 = _extend(cont, nxt_mask, torch.full((2, 2), 7))
         ids3, mask3 = ids3[[1, 1, 0]], mask3[[1, 1, 0]]
-        return cont, m.generate(ids3, attention_mask=mask3, max_new_tokens=4, cache=cont.cache, **GEN)
+        return cont, m.generate(ids3, attention_mask=mask3, max_new_tokens=4, **with_cache(cache_of(cont)), **GEN)
 
     ref = run(model)
     model.set_attn_implementation("hf_paged")
     ours = run(model)
-    assert isinstance(ours[1].cache, ReturnedCache) and not ours[1].cache.is_dense
+    assert isinstance(cache_of(ours[1]), ReturnedCache) and not cache_of(ours[1]).is_dense
     for a, b in zip(ref, ours):
         assert torch.equal(a.sequences, b.sequences)
-    assert ours[1].cache.get_seq_length() == ref[1].cache.get_seq_length()
+    assert cache_of(ours[1]).get_seq_length() == cache_of(ref[1]).get_seq_length()
 
 
 class _Halve(LogitsProcessor):
@@ -166,18 +169,18 @@ def test_anything_else_turns_it_into_stocks_dense_cache():
     def run(m):
         out = m.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
         custom_ids, custom_mask = _extend(out, mask, new)
-        custom = m.generate(custom_ids, attention_mask=custom_mask, max_new_tokens=4, cache=out.cache, **GEN,
-                           logits_processor=LogitsProcessorList([_Halve()]))  # a processor: run in lockstep
+        custom = m.generate(custom_ids, attention_mask=custom_mask, max_new_tokens=4, **with_cache(cache_of(out)),
+                            **GEN, logits_processor=LogitsProcessorList([_Halve()]))  # a processor: run in lockstep
         out2 = m.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
         with torch.no_grad():
             step = m(input_ids=new[:, :1], attention_mask=torch.cat([mask, torch.ones(2, 5, dtype=torch.long)], 1),
-                     cache=out2.cache, use_cache=True).logits
+                     **with_cache(cache_of(out2)), use_cache=True).logits
         other = out2.sequences.clone()
         other[:, -3] = 5  # a column the cache holds, rewritten: stock reads the cached K/V regardless
         out3 = m.generate(ids, attention_mask=mask, max_new_tokens=5, **GEN)
         o_ids, o_mask = _extend(type(out3)(sequences=other), mask, new)
-        stale = m.generate(o_ids, attention_mask=o_mask, max_new_tokens=4, cache=out3.cache, **GEN)
-        return custom.sequences, step, stale.sequences, out3.cache
+        stale = m.generate(o_ids, attention_mask=o_mask, max_new_tokens=4, **with_cache(cache_of(out3)), **GEN)
+        return custom.sequences, step, stale.sequences, cache_of(out3)
 
     ref = run(model)
     model.set_attn_implementation("hf_paged")
@@ -214,13 +217,13 @@ def test_a_fixed_pool_evicts_kept_rows_for_new_requests_and_continuing_recompute
         first = m.generate(ids, attention_mask=mask, max_new_tokens=8, **GEN)
         other = m.generate(other_ids, attention_mask=other_mask, max_new_tokens=8, **GEN)  # needs the room
         c_ids, c_mask = _extend(first, mask, new)
-        return other, m.generate(c_ids, attention_mask=c_mask, max_new_tokens=4, cache=first.cache, **GEN)
+        return other, m.generate(c_ids, attention_mask=c_mask, max_new_tokens=4, **with_cache(cache_of(first)), **GEN)
 
     ref = run(model)
     model.set_attn_implementation("hf_paged")
     ours = run(model)
     assert all(torch.equal(a.sequences, b.sequences) for a, b in zip(ref, ours))
-    assert isinstance(ours[1].cache, ReturnedCache)
+    assert isinstance(cache_of(ours[1]), ReturnedCache)
 
 
 def test_sampled_rows_and_rows_stopped_by_criteria_continue_from_what_they_kept(engine_calls):
@@ -232,10 +235,10 @@ def test_sampled_rows_and_rows_stopped_by_criteria_continue_from_what_they_kept(
     new = _news(4, turns=1)[0]
     sampled = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True, num_return_sequences=2,
                              pad_token_id=0, return_dict_in_generate=True)
-    assert sampled.cache.get_seq_length() == sampled.sequences.shape[1] - 1
+    assert cache_of(sampled).get_seq_length() == sampled.sequences.shape[1] - 1
     mask2 = mask.repeat_interleave(2, dim=0)
     c_ids, c_mask = _extend(sampled, mask2, new)
-    ours = model.generate(c_ids, attention_mask=c_mask, max_new_tokens=5, cache=sampled.cache, **GEN)
+    ours = model.generate(c_ids, attention_mask=c_mask, max_new_tokens=5, **with_cache(cache_of(sampled)), **GEN)
     probe = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     stop = int(probe[1, ids.shape[1] + 2])
 
@@ -248,7 +251,7 @@ def test_sampled_rows_and_rows_stopped_by_criteria_continue_from_what_they_kept(
     cut = model.generate(ids, attention_mask=mask, max_new_tokens=8, eos_token_id=1, **GEN,
                          stopping_criteria=StoppingCriteriaList([StopAt()]))
     c2_ids, c2_mask = _extend(cut, mask, new[:2])
-    ours2 = model.generate(c2_ids, attention_mask=c2_mask, max_new_tokens=5, cache=cut.cache, **GEN)
+    ours2 = model.generate(c2_ids, attention_mask=c2_mask, max_new_tokens=5, **with_cache(cache_of(cut)), **GEN)
     assert engine_calls == [True] * 5
     model.set_attn_implementation("sdpa")
     ref = model.generate(c_ids, attention_mask=c_mask, max_new_tokens=5, **GEN)  # every column recomputed
@@ -269,7 +272,8 @@ def test_a_deep_copy_continues_on_its_own_and_frees_only_its_own_rows():
         results = []
         for new in news:
             c_ids, c_mask = _extend(out, mask, new)
-            results.append(m.generate(c_ids, attention_mask=c_mask, max_new_tokens=4, cache=copy.deepcopy(out.cache),
+            copied = with_cache(copy.deepcopy(cache_of(out)))
+            results.append(m.generate(c_ids, attention_mask=c_mask, max_new_tokens=4, **copied,
                                       **GEN).sequences)
         return results, out
 
@@ -278,9 +282,9 @@ def test_a_deep_copy_continues_on_its_own_and_frees_only_its_own_rows():
     ours, out = run(model)
     assert all(torch.equal(a, b) for a, b in zip(ref, ours))
     engine = model._hf_paged_engine.engine
-    held = [s for s in out.cache._kept.seqs if s is not None]
+    held = [s for s in cache_of(out)._kept.seqs if s is not None]
     assert held and all(engine.holds(s) for s in held)  # the original kept its rows through both copies
-    mask_rows = out.cache
+    mask_rows = cache_of(out)
     mask_rows.batch_select_indices(torch.tensor([False, True]))  # a row mask keeps row 1 only
     assert mask_rows.batch_size == 1 and mask_rows._kept.seqs[0] is held[1]
     del out, mask_rows

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import hf_paged  # noqa: F401  (installs the generate patch)
-from tiny_models import STOCK_ATTN, VOCAB, left_padded_batch, tiny_model
+from tiny_models import STOCK_ATTN, VOCAB, cache_of, left_padded_batch, tiny_model, with_cache
+
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma2"]
 LOGITS_ATOL = 1e-4
@@ -41,7 +43,7 @@ def test_right_padded_batch_gives_stocks_output(arch):
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(ref.logits, out.logits):
         torch.testing.assert_close(b, a, atol=LOGITS_ATOL, rtol=0)
-    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    cache = cache_of(out)
     assert cache.stores_padding and cache.stats()["num_tokens"] == 3 * (14 + 9)  # padding stored, masked
 
 
@@ -113,11 +115,12 @@ def test_masks_built_outside_generate_are_tensors_the_model_accepts(arch):
         cache = StaticCache(config=model.config, max_cache_len=32)
         embeds = model.get_input_embeddings()(ids)
         built = create_masks_for_generate(config=model.config, inputs_embeds=embeds, attention_mask=mask,
-                                          cache=cache, position_ids=positions)
+                                          **with_cache(cache), position_ids=positions)
         masks = built.values() if isinstance(built, dict) else [built]
         assert all(m is None or isinstance(m, torch.Tensor) for m in masks), type(built)
         with torch.no_grad():
-            out = model(input_ids=ids, attention_mask=built, position_ids=positions, cache=cache, use_cache=True)
+            out = model(input_ids=ids, attention_mask=built, position_ids=positions, use_cache=True,
+                        **with_cache(cache))
         logits.append(out.logits)
     torch.testing.assert_close(logits[1], logits[0], atol=LOGITS_ATOL, rtol=0)
 

@@ -11,6 +11,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 import hf_paged  # noqa: F401
 from tiny_models import left_padded_batch, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 
 class StopRowAfter(StoppingCriteria):
     """Stops one row once it has `n` new tokens (a per-row [batch] bool result)."""

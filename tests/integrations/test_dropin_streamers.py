@@ -14,6 +14,8 @@ from transformers.generation.streamers import BaseStreamer
 import hf_paged
 from tiny_models import left_padded_batch, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 
 class Recorder(BaseStreamer):
     def __init__(self):

@@ -14,6 +14,8 @@ import hf_paged  # installs the patches
 import hf_paged.integrations.generate_batch as generate_batch
 from tiny_models import VOCAB, stock_greedy, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 PROMPTS = [[5, 9, 33, 7, 81, 12], [44, 17, 3], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102]]
 GREEDY = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=2, pad_token_id=0)
 

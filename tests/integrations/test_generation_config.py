@@ -22,6 +22,8 @@ from hf_paged.sampling_params import SAMPLING_EPS
 from stats import chi2_critical, chi2_statistic
 from tiny_models import VOCAB, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 NUM_DRAWS = 5000
 PROMPT = [5, 9, 5, 9, 17, 5, 33]  # repeats, so a repetition penalty changes the distribution
 

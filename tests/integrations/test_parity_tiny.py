@@ -14,6 +14,8 @@ from hf_paged.attention import dispatch
 from hf_paged.hf.cache import PagedCache
 from tiny_models import with_cache, cache_of, CONFIGS, STOCK_ATTN, left_padded_batch, tiny_model
 
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
+
 # fp32 end to end: only summation order differs between sdpa and the paged path.
 LOGITS_ATOL = 1e-4
 LENGTHS = [5, 17, 33, 16]  # cross block boundaries for block_size 1, 16 and 32
@@ -337,17 +339,24 @@ def test_generate_patch_is_reversible():
 
 
 def test_unsupported_transformers_version_is_refused(monkeypatch):
-    from hf_paged.integrations import generate as patch
+    import sys
 
-    assert patch.is_supported_version("5.24.0") and patch.is_supported_version("5.22.0")
-    assert not patch.is_supported_version("5.25.0") and not patch.is_supported_version("4.57.1")
+    from hf_paged.integrations import generate as patch
+    from hf_paged.transformers_api import ALLOW_UNTESTED_ENV
+
+    assert patch.is_supported_version("5.25.0") and patch.is_supported_version("5.22.0")
+    assert not patch.is_supported_version("5.26.0") and not patch.is_supported_version("4.57.1")
     patch.uninstall()
-    monkeypatch.setattr(patch.transformers, "__version__", "5.30.0")
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.30.0")
     try:
-        with pytest.warns(UserWarning, match="outside the tested range"):
+        with pytest.warns(UserWarning, match="transformers 5.30.0 is outside the tested range"):
             assert patch.install() is False
         assert not patch.is_installed()
+        monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")  # trying the next release (scripts/check_transformers.sh)
+        with pytest.warns(UserWarning, match="is set, so the drop-in patch is installed anyway"):
+            assert patch.install() is True
     finally:
         monkeypatch.undo()
+        patch.uninstall()
         patch.install()
     assert patch.is_installed()

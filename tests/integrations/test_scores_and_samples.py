@@ -28,8 +28,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from hf_paged.transformers_api import stock_penalty_skips_padding
 from stats import chi2_critical, chi2_statistic
 from tiny_models import STOCK_ATTN, VOCAB, left_padded_batch, tiny_model
+
+pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
 
 ATOL = 1e-4  # fp32 end to end: only kernels and summation order differ
 LENGTHS = [3, 7, 5]  # row 0 has 4 pads, row 2 has 2
@@ -110,7 +113,8 @@ def test_greedy_scores_with_penalty_and_ngram_bans_match_stock(arch, ngram, engi
     kwargs = dict(settings, eos_token_id=eos, output_scores=True, output_logits=True, return_dict_in_generate=True)
     ref = _generate(stock, input_ids, attention_mask, **kwargs)
     out = _generate(paged, input_ids, attention_mask, **kwargs)
-    assert engine_calls == [True]
+    # Before 5.23 stock's penalty counts the padding as seen tokens, which the engine cannot mirror: stock serves it.
+    assert engine_calls == [stock_penalty_skips_padding()]
     width = input_ids.shape[1]
     lengths = _lengths(ref.sequences, width, eos)
     assert lengths[0] < len(ref.scores), f"the most padded row did not finish early: {lengths}"
@@ -147,6 +151,9 @@ def test_sampled_scores_are_stocks_distribution_of_our_tokens(case, engine_calls
     out = _generate(paged, input_ids, attention_mask, do_sample=True, eos_token_id=eos, sequence_bias={(eos,): bias},
                     min_new_tokens=min_new, repetition_penalty=penalty, num_return_sequences=k, output_scores=True,
                     return_dict_in_generate=True, **settings)
+    if not stock_penalty_skips_padding():  # stock penalises the padding (before 5.23): stock served the call
+        assert engine_calls == [False]
+        return
     assert engine_calls == [True] and out.logits is None
     width = input_ids.shape[1]
     lengths = _lengths(out.sequences, width, [eos])
@@ -300,3 +307,19 @@ def test_processors_that_see_the_left_padding_are_left_to_stock(engine_calls):
         ref = _generate(stock, input_ids, full, do_sample=False, **kwargs)
         assert torch.equal(_generate(paged, input_ids, full, do_sample=False, **kwargs), ref)
         assert engine_calls == [True], kwargs
+
+
+def test_a_penalty_over_padded_rows_runs_stock_where_stock_penalises_the_padding(engine_calls, monkeypatch):
+    """Before transformers 5.23 stock's repetition penalty counts a row's left padding as seen tokens:
+    the engine never sees the padding, so such a call runs stock generate (an unpadded one still does not)."""
+    import hf_paged.integrations.batch_generate as batch_generate
+
+    monkeypatch.setattr(batch_generate, "stock_penalty_skips_padding", lambda: False)
+    stock, paged = models("llama")
+    input_ids, attention_mask = left_padded_batch(LENGTHS, seed=3)
+    kwargs = dict(do_sample=False, repetition_penalty=1.3)
+    assert torch.equal(_generate(paged, input_ids, attention_mask, **kwargs),
+                       _generate(stock, input_ids, attention_mask, **kwargs))
+    full = attention_mask.all(dim=1)
+    _generate(paged, input_ids[full], attention_mask[full], **kwargs)
+    assert engine_calls == [False, True]

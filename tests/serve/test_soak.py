@@ -22,10 +22,10 @@ def test_short_soak_loses_nothing(model_dir):
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
     reference = soak.reference_texts(str(model_dir), 24)
-    stats = soak.run_soak(str(model_dir), seconds=30, requests=120, clients=32)
+    stats = soak.run_soak(str(model_dir), seconds=20, requests=80, clients=32)
     soak.report(stats)
     problems = soak.check(stats, reference)
     assert problems == []  # RSS included: within 5% between the first and last quarter after warm-up
-    assert len(stats["done"]) >= 90 and stats["malformed"] > 0 and stats["disconnected"] > 0
+    assert len(stats["done"]) >= 60 and stats["malformed"] > 0 and stats["disconnected"] > 0
     assert stats["preemptions"] > 0 and len(stats["greedy"]) > 0
-    assert len(stats["rss"]) >= 40  # the RSS check had samples to compare (every 0.5 s after the 7.5 s warm-up)
+    assert len(stats["rss"]) >= 20  # the RSS check had samples to compare (every 0.5 s after the 7.5 s warm-up)

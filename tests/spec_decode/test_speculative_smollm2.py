@@ -49,13 +49,13 @@ def _check(setup, **engine_kwargs):
     return engine.metrics()
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 5])  # the smallest draft and a long one
 def test_prompt_lookup(setup, k):
     m = _check(setup, speculative_method="ngram", num_speculative_tokens=k)
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("k", [1, 5])  # the smallest draft and a long one
 def test_layer_skip_draft(setup, k):
     m = _check(setup, draft_model=layer_skip_draft(setup[0], 12), num_speculative_tokens=k)
     assert m["vllm:spec_decode_num_accepted_tokens"] > 0

@@ -5,7 +5,7 @@ same shapes, same run. Needs a CUDA GPU; on CPU it says so and exits cleanly.
   batch 1-256 and context 512-32k, beside SDPA decoding from a contiguous cache.
 * prefill: causal TFLOP/s (4 * b * h * s^2 * d / 2) beside SDPA's flash backend.
 
-    python benchmarks/kernels.py [--dtype bfloat16] [--heads 32 8] [--head-dim 128] [--quick] [--json PATH]
+    python benchmarks/kernel_bench.py [--dtype bfloat16] [--heads 32 8] [--head-dim 128] [--quick] [--json PATH]
 
 The verdicts it prints (and writes with `--json`) are the GPU issue's targets: decode reaches >= 80%
 of peak HBM bandwidth at every measured batch >= 32 with context >= 4k (head_dim 128, bf16), and
@@ -217,7 +217,7 @@ def main() -> int:
         if "triton" in sys.modules and not os.environ.get("TRITON_INTERPRET"):
             raise SystemExit("--dry-run: set TRITON_INTERPRET=1 before triton is imported")
     elif not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (the kernels' speed is a GPU property); none found, "
+        print("benchmarks/kernel_bench.py needs a CUDA GPU (the kernels' speed is a GPU property); none found, "
               "nothing measured.")
         if args.json:
             with open(args.json, "w") as f:
