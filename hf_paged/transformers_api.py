@@ -17,7 +17,7 @@ user's call.
 A release outside `SUPPORTED_TRANSFORMERS` is not patched unless `HF_PAGED_ALLOW_UNTESTED_TRANSFORMERS=1`
 (what `scripts/check_transformers.sh` sets to try the next release).
 
-A leaf: it imports nothing of hf_paged, and transformers only inside `problems()`.
+A leaf: it imports nothing of hf_paged, and transformers only inside its functions.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PrivateAPI:
 
     @property
     def qualified(self) -> str:
-        return f"{self.module}.{self.name}"
+        return ".".join(filter(None, (self.module, self.name)))
 
 
 _GEN = "transformers.generation.utils"
@@ -237,7 +237,8 @@ def is_supported_version(version: str | None = None) -> bool:
 
 
 def untested_allowed() -> bool:
-    """Whether the user asked to patch a transformers outside the supported range (`HF_PAGED_ALLOW_UNTESTED_TRANSFORMERS=1`)."""
+    """Whether the user asked to patch a transformers outside the supported range
+    (`HF_PAGED_ALLOW_UNTESTED_TRANSFORMERS=1`)."""
     return os.environ.get(ALLOW_UNTESTED_ENV, "0") not in ("", "0", "false", "False")
 
 

@@ -9,7 +9,6 @@ import pathlib
 import tomllib
 
 import pytest
-import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_paged import transformers_api as api
@@ -74,10 +73,9 @@ def test_a_changed_internal_keeps_the_patch_out_with_one_warning_naming_it(monke
     assert patch.is_installed()
 
 
-@pytest.mark.parametrize("ours,base", [(PagedCache, Cache), (PagedLayer, CacheLayerMixin)])
-def test_the_cache_classes_accept_what_transformers_passes_to_the_methods_they_override(ours, base):
-    """transformers calls these on any cache (`get_mask_sizes(query_length, layer_idx)`, ...): each
-    parameter of the base method is one ours takes, in the same position."""
+def _mismatched_overrides(ours: type, base: type) -> list[str]:
+    """The methods `ours` overrides from `base` that do not take each of the base method's parameters in
+    the same position (or by name, for keyword-only ones)."""
     wrong = []
     for name, method in vars(ours).items():
         if name.startswith("__") or not callable(method) or not callable(getattr(base, name, None)):
@@ -89,7 +87,28 @@ def test_the_cache_classes_accept_what_transformers_passes_to_the_methods_they_o
         for i, p in enumerate(theirs):
             if p.name not in mine and not takes_kwargs or (
                     p.name in mine and p.kind != p.KEYWORD_ONLY and list(mine).index(p.name) != i):
+                base_signature = inspect.signature(getattr(base, name))
                 wrong.append(f"{ours.__name__}.{name}{inspect.signature(method)} vs transformers "
-                             f"{transformers.__version__}'s {base.__name__}.{name}{inspect.signature(getattr(base, name))}")
+                             f"{api.installed_version()}'s {base.__name__}.{name}{base_signature}")
                 break
+    return wrong
+
+
+@pytest.mark.parametrize("ours,base", [(PagedCache, Cache), (PagedLayer, CacheLayerMixin)])
+def test_the_cache_classes_accept_what_transformers_passes_to_the_methods_they_override(ours, base):
+    """transformers calls these on any cache (`get_mask_sizes(query_length, layer_idx)`, ...): each
+    parameter of the base method is one ours takes, in the same position."""
+    wrong = _mismatched_overrides(ours, base)
     assert not wrong, "\n".join(wrong)
+
+
+def test_an_override_that_reorders_or_drops_a_parameter_is_named():
+    class Swapped(Cache):
+        def get_mask_sizes(self, layer_idx: int, query_length: int):  # transformers passes (query_length, layer_idx)
+            return 0, 0
+
+        def get_seq_length(self) -> int:  # transformers may pass layer_idx
+            return 0
+
+    assert [w.split("(")[0] for w in _mismatched_overrides(Swapped, Cache)] == [
+        "Swapped.get_mask_sizes", "Swapped.get_seq_length"]

@@ -8,8 +8,8 @@ generates and does not route attention through transformers' attention interface
 the class and what to use instead. A module whose attention-class table has no "hf_paged" key (a
 vision encoder's, inside a model that otherwise routes its attention) is refused the same way, by the
 loaders. Without these, such a model either fails deep inside its own layers
-(`KeyError: 'hf_paged'` from Falcon's, GPT-Neo's or GIT's attention-class tables) or, worse, loads and
-attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute attention themselves and read our mask
+(`KeyError: 'hf_paged'` from GPT-Neo's or GIT's attention-class tables, Falcon's before 5.25) or,
+worse, loads and attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute attention themselves and read our mask
 in the wrong form). A decoder with cross-attention layers (Mllama, Idefics), whose image K/V would
 land in the paged cache, is refused the same way (`hf.support.cross_attention_refusal`), and so is one whose attention computes
 with the K/V its cache returns before its attention function (`hf.support.cached_kv_refusal`: Doge's
