@@ -327,6 +327,21 @@ def run_family(model_type: str, mapping: str) -> Outcome:
         gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
         if model_type in FAMILY_OWN_PAD:
             del gen["pad_token_id"]
+    except Exception as exc:  # noqa: BLE001 - classified, with its reason
+        return done("untested", f"stock fails on the tiny config: {type(exc).__name__}: {str(exc)[:160]}")
+
+    # hf_paged's load, with the same weights: a model refused here needs no stock run to compare with.
+    checks = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            paged = _build(model_class, config, "hf_paged", setup=FAMILY_SETUP.get(model_type), weights_of=stock)
+        except Exception as exc:  # noqa: BLE001
+            return done("refused", str(exc)) if _is_refusal(exc) else done(
+                "crash", f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    # The stock run: any failure here is the tiny config's or stock's, not ours.
+    try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             torch.manual_seed(0)  # a generate that draws (a diffusion decoder's canvas) draws alike on both sides
@@ -335,18 +350,17 @@ def run_family(model_type: str, mapping: str) -> Outcome:
     except Exception as exc:  # noqa: BLE001 - classified, with its reason
         return done("untested", f"stock fails on the tiny config: {type(exc).__name__}: {str(exc)[:160]}")
 
-    # The hf_paged side: the same weights.
-    checks = []
+    # The hf_paged run.
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as ran:
             warnings.simplefilter("always")
-            paged = _build(model_class, config, "hf_paged", setup=FAMILY_SETUP.get(model_type), weights_of=stock)
             with torch.no_grad():
                 torch.manual_seed(0)
                 got = _sequences(paged.generate(**text, **extra, **gen))
                 checks.append("generate")
                 got_logits = paged(**text, use_cache=False, **extra).logits
                 checks.append("forward")
+        caught += ran
     except Exception as exc:  # noqa: BLE001
         if _is_refusal(exc):
             return done("refused", str(exc), checks)
