@@ -9,6 +9,7 @@ imports with torch unavailable.
 """
 
 from .block_pool import AppendResult, BlockManager, BlockPool, NoFreeBlocksError, hash_block_tokens
+from .rope import LengthRope
 from .scheduler import Request, RequestStatus, ScheduledRequest, Scheduler, SchedulerOutput
 from .sequence import NULL_BLOCK, KVSequence
 
@@ -17,6 +18,7 @@ __all__ = [
     "BlockManager",
     "BlockPool",
     "KVSequence",
+    "LengthRope",
     "NULL_BLOCK",
     "NoFreeBlocksError",
     "Request",

@@ -499,6 +499,7 @@ class BlockManager:
             mm_spans=seq.mm_spans,
             is_cacheable=seq.is_cacheable,
             prefix_epoch=seq.prefix_epoch,
+            rope=seq.rope,
         )
 
     def reindex(self, seqs: list[KVSequence], rows: list[int], new_seq_id) -> list[KVSequence]:

@@ -127,6 +127,8 @@ class SchedulerOutput:
     # Blocks this step fills, published in the prefix cache only once its forward wrote their K/V
     # (`BlockManager.commit_full_blocks`): a failed step leaves nothing findable behind.
     new_full_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Requests recomputed from scratch because their sequence passed a longrope threshold (`core.rope`).
+    rope_restarted: list[Request] = field(default_factory=list)
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
 
@@ -230,7 +232,7 @@ class Scheduler:
         if request.status != RequestStatus.FINISHED:
             if keep_kv:
                 kept, request.seq = request.seq, KVSequence(seq_id=request.seq.seq_id, extra_key=request.seq.extra_key,
-                                                          mm_spans=request.seq.mm_spans)
+                                                          mm_spans=request.seq.mm_spans, rope=request.seq.rope)
             else:
                 self.manager.free(request.seq)
             request.num_computed_tokens = 0
@@ -253,6 +255,7 @@ class Scheduler:
         """Decide the next step and allocate its slots (the block tables change here)."""
         self.manager.pool.discard_staged()  # a step planned before this one has run or failed by now
         out = SchedulerOutput()
+        self._restart_long_ropes(out)
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         # Decodes first, then prefill continuations; each in admission order.
@@ -264,6 +267,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             drafts = request.spec_token_ids if request.num_pending_tokens == 1 else []
             request.spec_token_ids = []
+            if drafts and request.seq.rope is not None and request.seq.rope.needs_restart(
+                    len(request.token_ids) + len(drafts)):
+                drafts = []  # the crossing recomputes the sequence from the token that makes it (as stock)
             num_new = min(request.num_pending_tokens + len(drafts), budget)
             if request.atomic_spans and not drafts:
                 num_new = request.fit_chunk(request.num_computed_tokens, num_new)
@@ -332,18 +338,41 @@ class Scheduler:
         """Free a running request's blocks and put it back at the head of the waiting queue, to be
         recomputed (mostly from the prefix cache). Also used by the engine to requeue the requests of
         a step whose forward failed. `out`, when given, records it in the step's `preempted`."""
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if out is not None:
+            out.preempted.append(request)
+
+    def _requeue(self, request: Request) -> None:
+        """Free a running request's blocks and put it at the head of the waiting queue."""
         self.running.remove(request)
         self.manager.free(request.seq)
         request.seq.prefix_epoch = None  # it restarts from nothing: hashing may resume
         request.seq.is_cacheable = True  # its tokens are all known ids (only inputs_embeds are not)
         request.spec_token_ids = []  # proposed after its last token; re-admission samples a new one
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
-        if out is not None:
-            out.preempted.append(request)
+
+    def _restart_long_ropes(self, out: SchedulerOutput) -> None:
+        """Requests whose next token takes their sequence past a longrope threshold where stock drops the
+        cache and recomputes it with the long factors (Phi-3): recomputed likewise, from scratch (kept
+        prefixes of waiting ones freed). Recorded in the step's `rope_restarted`."""
+        for request in list(self.running):
+            rope = request.seq.rope
+            if rope is not None and rope.needs_restart(len(request.token_ids)):
+                self._requeue(request)
+                request.seq.rope = rope.restarted()
+                out.rope_restarted.append(request)
+        for request in self.waiting:
+            rope = request.seq.rope
+            if rope is not None and rope.needs_restart(len(request.token_ids)):
+                if request.seq.num_tokens or any(request.seq.block_tables):
+                    self.manager.free(request.seq)
+                    request.num_computed_tokens = 0
+                    out.rope_restarted.append(request)
+                request.seq.rope = rope.restarted()
 
     def recover(self) -> list[Request]:
         """Undo a `schedule` that raised part-way: every running request is preempted (its blocks

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .rope import LengthRope
+
 NULL_BLOCK = -1  # a table entry whose block no query reads any more (released; never a valid id)
 
 
@@ -33,6 +35,9 @@ class KVSequence:
         is_cacheable: False once tokens of unknown identity were stored (a forward fed
             `inputs_embeds`): its blocks are then never hashed, so they can never be shared wrongly.
         prefix_epoch: the pool's prefix-cache epoch when the sequence first stored tokens.
+        rope: for a model whose rotary frequencies follow the length (`rope.LengthRope`), what each
+            token was computed for; a block whose keys are not at the original frequencies is hashed
+            with that too. None for every other model.
     """
 
     seq_id: int
@@ -44,14 +49,20 @@ class KVSequence:
     mm_spans: tuple = ()
     is_cacheable: bool = True
     prefix_epoch: int | None = None
+    rope: LengthRope | None = None
 
     def block_key(self, index: int, block_size: int) -> object:
-        """The salt of block `index`'s hash: `extra_key`, with the digests of the spans it overlaps."""
-        if not self.mm_spans:
+        """The salt of block `index`'s hash: `extra_key`, with the digests of the spans it overlaps and
+        the frequencies its keys were rotated with where those follow the length."""
+        if not self.mm_spans and self.rope is None:
             return self.extra_key
         lo, hi = index * block_size, (index + 1) * block_size
+        key = self.extra_key
         digests = tuple(d for start, end, d in self.mm_spans if start < hi and end > lo)
-        return (self.extra_key, digests) if digests else self.extra_key
+        if digests:
+            key = (key, digests)
+        salt = self.rope.block_salt(lo, hi) if self.rope is not None else None
+        return key if salt is None else (key, salt)
 
     @property
     def block_table(self) -> list[int]:

@@ -128,6 +128,7 @@ class EngineCore:
             self.metrics.peak_num_running = max(self.metrics.peak_num_running, len(self.scheduler.running))
             for request in sched.preempted:
                 self._note_preempted(self.requests[request.request_id])
+            self.metrics.num_rope_recomputes += len(sched.rope_restarted)  # longrope's long factors (`core.rope`)
             if sched.is_empty and self.scheduler.has_unfinished and (self.kv.evict_kept()
                                                                      or self.scheduler.release_waiting()):
                 # Returned caches, or waiting requests' handed-over prefixes, held the blocks the queue
@@ -343,6 +344,8 @@ class EngineCore:
         """Queue a registered request (taking over its kept `kv_prefix` if that is still held)."""
         prefix, tracked.kv_prefix = tracked.kv_prefix, None
         if prefix is not None and self.kv.take(prefix):
+            prefix.rope = tracked.request.seq.rope and tracked.request.seq.rope.continuing(
+                prefix.rope, prefix.num_tokens, tracked.request.num_prompt_tokens)  # `core.rope`
             tracked.request.seq = prefix  # admission starts after its tokens (`Scheduler.schedule`)
         self.images.add(tracked)
         self.scheduler.add(tracked.request)

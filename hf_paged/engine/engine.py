@@ -34,6 +34,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..config import EngineConfig, PagedCacheConfig
 from ..core import KVSequence, Scheduler
 from ..hf import PagedCache, check_attention_routed, check_model_supported, invalidate, weights_fingerprint
+from ..hf.rope import default_max_model_len
 from ..hf.support import check_paged_attention_supported
 from ..sampling_params import SamplingParams
 from ..spec_decode import make_proposer
@@ -141,7 +142,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         self.model = model
         self.tokenizer = tokenizer
         text = model.config.get_text_config(decoder=True)
-        model_len = max_model_len or getattr(text, "max_position_embeddings", None) or 1 << 30
+        model_len = max_model_len or default_max_model_len(text) or 1 << 30
         # Held while encoding (prompts here, chat templates in the server): a fast tokenizer whose
         # settings change on an encode (truncation, padding) must not be written from two threads.
         self.tokenizer_lock = threading.Lock()
@@ -188,7 +189,8 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         self.kv = kv
         self._metrics = self.core.metrics
         self.intake = Intake(self.core, kv, self.outputs, tokenizer, self.tokenizer_lock, self.vocab_size,
-                             runner.image_support, logits_width=getattr(text, "vocab_size", None))
+                             runner.image_support, logits_width=getattr(text, "vocab_size", None),
+                             length_rope=runner.length_rope)
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
         self._lock = threading.RLock()

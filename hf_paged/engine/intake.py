@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Sequence as SequenceABC
 
-from ..core import KVSequence, Request
+from ..core import KVSequence, LengthRope, Request
 from ..hf import KVOwner
 from ..hf.multimodal import ImageSupport
 from ..sampling_params import SamplingParams
@@ -29,7 +29,7 @@ class Intake:
 
     def __init__(self, core: EngineCore, kv: KVOwner, outputs: OutputProcessor, tokenizer,
                  tokenizer_lock: threading.Lock, vocab_size: int, images: ImageSupport | None = None,
-                 logits_width: int | None = None):
+                 logits_width: int | None = None, length_rope: LengthRope | None = None):
         self.core = core
         self.kv = kv
         self.outputs = outputs
@@ -38,6 +38,7 @@ class Intake:
         self.vocab_size = vocab_size
         self.images = images  # splits a prompt's multi_modal_data per image
         self.logits_width = logits_width or vocab_size
+        self.length_rope = length_rope  # what each sequence records where the rope follows its length
         self.grammars = None  # `structured.grammar.Grammars`, made for the first structured request
         self._grammars_lock = threading.Lock()
 
@@ -100,6 +101,8 @@ class Intake:
             request = Request(request_id=request_id, token_ids=known, num_prompt_tokens=len(prompt_ids),
                               max_total_tokens=max_total, seq=self.kv.new_sequence(),
                               use_prefix_cache=params.prompt_logprobs is None)  # its prompt's logits are needed
+            if self.length_rope is not None:  # stock feeds the prompt in one forward, then a token per forward
+                request.seq.rope = self.length_rope.fed(0, len(prompt_ids))
             metrics = RequestMetrics(arrival_time=time.perf_counter(), num_prompt_tokens=len(prompt_ids))
             seed = draw_seed(params.seed)
             tracked = TrackedRequest(request, params, metrics, detok, inbox, index,

@@ -108,6 +108,8 @@ class EngineMetrics:
         self.prompt_tokens = 0  # tokens actually computed for prompts (prefix-cache hits excluded)
         self.generation_tokens = 0
         self.num_preemptions = 0
+        # Sequences recomputed with longrope's long factors on passing the threshold (Phi-3: as stock drops its cache)
+        self.num_rope_recomputes = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of which served from it
         # Images: queried in the encoder's cache, encoded (cache misses), and their placeholder tokens
@@ -228,6 +230,7 @@ class EngineMetrics:
             "num_requests_aborted": self.request_aborted,
             "num_requests_errored": self.request_errored,
             "num_failed_steps": self.num_failed_steps,
+            "num_rope_recomputes": self.num_rope_recomputes,
             "finish_reasons": dict(self.finish_reasons),
             "num_steps": self.num_steps,
             "num_forward_tokens": self.num_forward_tokens,

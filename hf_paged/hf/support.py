@@ -17,6 +17,8 @@ import weakref
 
 import torch
 
+from .rope import check_rope_supported
+
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -40,6 +42,7 @@ def check_model_supported(config) -> None:
     if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):
         raise ValueError(f"hf_paged does not support cross-layer KV sharing (model_type={text.model_type!r}): "
                          f"a layer that reads another layer's K/V has no blocks of its own; {_INSTEAD}")
+    check_rope_supported(config)
     if getattr(text, "num_key_value_heads", None) is None and getattr(text, "num_attention_heads", None) is None:
         raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}; "
                          f"{_INSTEAD}")

@@ -32,6 +32,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..config import PagedCacheConfig
 from ..hf import PagedCache, attach
+from ..hf import rope as hf_rope
 from ..transformers_api import (ALLOW_UNTESTED_ENV, SUPPORTED_TRANSFORMERS, installed_version, is_supported_version,
                                untested_allowed)
 from ..transformers_api import problems as api_problems
@@ -146,6 +147,13 @@ def _install_generate() -> None:
 
         if isinstance(passed_cache(kwargs), ReturnedCache):
             passed_cache(kwargs).to_dense()  # stock generate continues from what stock would have returned
+        if self.config._attn_implementation == "hf_paged":
+            length_rope = hf_rope.install(self)
+            if length_rope is not None and not length_rope.recompute:
+                # each row rotated for its own length, as stock rotates it run alone (a model that
+                # recomputes at the threshold drops the whole batch's cache there: stock's batch rule)
+                with hf_rope.per_row():
+                    return original_generate(self, inputs, generation_config, *args, **kwargs)
         return original_generate(self, inputs, generation_config, *args, **kwargs)
 
     GenerationMixin.generate = generate

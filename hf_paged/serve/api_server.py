@@ -544,6 +544,7 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
     from ..config import EngineConfig
     from ..engine import Engine
     from ..model_source import ModelFromPath
+    from ..hf.rope import default_max_model_len
 
     parser = argparse.ArgumentParser(prog="hf-paged serve", description="OpenAI-compatible server over hf_paged")
     parser.add_argument("model", help="a model folder, a factory 'module:callable', or 'default' (SmolLM2)")
@@ -638,7 +639,7 @@ def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None
             require("PIL", what="serving a vision-language model's images")  # at start, not per request
         model = model.eval()
         text_config = model.config.get_text_config(decoder=True)
-        limit = args.max_model_len or min(getattr(text_config, "max_position_embeddings", 2048) or 2048, 8192)
+        limit = args.max_model_len or min(default_max_model_len(text_config) or 2048, 8192)
         engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args, max_model_len=limit).engine_kwargs(),
                         show_progress=False)
         client = AsyncEngine(engine)

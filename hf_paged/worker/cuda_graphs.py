@@ -350,8 +350,10 @@ def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torc
     elif dispatch.backend(device) != "triton":
         reason = ("CUDA graphs need the Triton attention backend (the torch backend reads step metadata on the "
                   "host); unset HF_PAGED_BACKEND=torch")
-    elif any("dynamic" in str(getattr(m, "rope_type", "")) for m in model.modules()):
-        reason = "CUDA graphs cannot capture dynamic RoPE (it rescales its frequencies on the host per step)"
+    elif any(("dynamic" in str(getattr(m, "rope_type", "")) or "longrope" in str(getattr(m, "rope_type", "")))
+             for m in model.modules()):
+        reason = ("CUDA graphs cannot capture length-dependent RoPE (dynamic NTK, longrope: each sequence's "
+                  "frequencies are chosen on the host per step)")
     if reason is not None and enabled:
         raise ValueError(f"cuda_graphs=True: {reason}")
     return reason is None if enabled is None else bool(enabled)

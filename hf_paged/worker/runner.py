@@ -35,6 +35,7 @@ from ..core import KVSequence
 from ..hf import KVOwner, PagedCache, decoder_of
 from ..hf.linear import enable as enable_fast_linear, fast_linear
 from ..hf.multimodal import ImageEncoder, ImageFeatures, ImageItem, ImageSupport, place
+from ..hf import rope as hf_rope
 from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class StepInputs:
     group_block_tables: list[list[list[int]]]  # [group][sequence][block]
     key_limits: list[int] | None = None
     rope_positions: torch.Tensor | None = None  # [3, 1, num_tokens] (Qwen-VL)
+    rope_lens: list[int] | None = None  # per token, the length its rotary frequencies are for (`core.rope`)
     image_rows: list = field(default_factory=list)  # [(first token of the chunk, (offsets, feature rows))]
 
 
@@ -105,6 +107,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when set
         self.image_support = ImageSupport(model)
         self.image_encoder = ImageEncoder(self.image_support) if self.image_support.is_supported else None
+        # What a sequence of this model records when its rotary frequencies follow its length (None: they
+        # follow positions alone); the model's rotary modules are hooked to read each step's lengths.
+        self.length_rope = hf_rope.install(model)
         # Wall seconds of the latest forward: building its inputs and metadata, and the model call
         # (for a replay: filling the static inputs, and the replay, plus any capture it needed).
         self.last_metadata_seconds = 0.0
@@ -132,7 +137,7 @@ class ModelRunner:
         key = None
         placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
         rope = any(c.images is not None and c.images.mrope is not None for c in chunks)  # Qwen-VL's 3-D positions
-        if self.graphs is not None and not copies and not placed and not rope and all(
+        if self.graphs is not None and not copies and not placed and not rope and self.length_rope is None and all(
                 len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
         if key is not None:
@@ -164,6 +169,7 @@ class ModelRunner:
             copies=list(copies), group_slots=fields["group_slots"], group_block_tables=fields["group_block_tables"],
             key_limits=self._key_limits(chunks) if placed else None,
             rope_positions=self._rope_positions(chunks) if rope else None,
+            rope_lens=self._rope_lens(chunks) if self.length_rope is not None else None,
             image_rows=[(starts[i], rows) for i, rows in placed])
 
     def run(self, inputs: "StepInputs", new_full_blocks: Sequence[tuple[int, int]] = (),
@@ -184,7 +190,8 @@ class ModelRunner:
         called = time.perf_counter()
         self.last_metadata_seconds = called - began
         try:
-            logits = self._call_model(ids, pos, keep_index, meta, embeds)
+            with hf_rope.token_lengths(inputs.rope_lens, self.device):
+                logits = self._call_model(ids, pos, keep_index, meta, embeds)
         except BaseException:
             self.kv.abort()  # this step published no block
             raise
@@ -239,6 +246,14 @@ class ModelRunner:
             return None
         return [p for c, limits in zip(chunks, per_chunk)
                 for p in (limits if limits is not None else range(c.start, c.start + len(c.token_ids)))]
+
+    def _rope_lens(self, chunks: list[Chunk]) -> list[int]:
+        """Per token of the step, the sequence length stock computed it for (`core.rope.LengthRope`)."""
+        lens = []
+        for c in chunks:
+            rope = c.seq.rope or self.length_rope
+            lens.extend(rope.rope_len(p) for p in range(c.start, c.start + len(c.token_ids)))
+        return lens
 
     @staticmethod
     def _rope_positions(chunks: list[Chunk]) -> torch.Tensor:  # [3, 1, num_tokens]

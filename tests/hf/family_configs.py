@@ -161,7 +161,16 @@ _QUERY = {"num_query_tokens": 10, "vision_config": {"image_size": 30, "patch_siz
           "text_config": {"word_embed_proj_dim": 32}}
 
 
+# Length-dependent rope as the released checkpoints of these families use it (Phi-3/3.5 128k, Phi-4-mini,
+# PhiMoE): longrope with its threshold (`family_sweep.ROPE_THRESHOLD`) inside the sweep's prompts, so that
+# generation crosses it. Head dim 8: four rotary pairs.
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.2, 1.5, 2.0], "long_factor": [2.0, 5.0, 11.0, 23.0],
+             "rope_theta": 10000.0}
 FAMILY_CONFIG: dict[str, dict] = {
+    "phi3": {"rope_parameters": _LONGROPE, "max_position_embeddings": 4096},
+    "phimoe": {"rope_parameters": {**_LONGROPE, "short_mscale": 1.0, "long_mscale": 1.2},
+               "max_position_embeddings": 4096},
+    "phi4_multimodal": {"rope_parameters": _LONGROPE, "max_position_embeddings": 4096},
     # vision-language models: the vision (or adapter) output width is the tiny text width; multimodal rope
     # sections sum to the tiny head_dim / 2 rotary pairs (h and w equal where the rope stacks them)
     "apertus1p5": {"text_config": {"vocab_size": 80, "pad_token_id": 0},

@@ -3,12 +3,18 @@
 For each model type in transformers' auto mappings for causal LMs and image-text-to-text, the sweep
 builds a tiny random-weight model from that family's own default config, shrunk by one generic rule
 (`tiny_config`: every size field transformers' configs use, in the config and its sub-configs, set
-small; nothing written per family), and runs it twice with the same weights: stock (sdpa, or eager
-where the class has no sdpa) and hf_paged. It checks
+small; nothing written per family), sharpens it (`sharpen`: query and key projections x10, so that
+attention is peaked and a position bug shows; windows and chunked attention at 8 tokens, longrope and
+dynamic-NTK thresholds at `ROPE_THRESHOLD`, inside the prompts) and runs it twice with the same weights:
+stock (sdpa, or eager where the class has no sdpa) and hf_paged. A family whose rotary frequencies
+follow the length is compared with stock running each row alone. It checks
 
 - greedy `generate` on a left-padded batch whose first and third rows repeat one prompt (so the prefix
   cache serves a full block), token for token;
 - a plain forward without a cache (what training and log-likelihood evaluation run), logits close;
+- where the drop-in `generate` ran on the engine, the same call on an engine that prefills in chunks of
+  `ENGINE_CHUNK` tokens with a pool one block above the longest row's need (rows preempt one another;
+  rows 0 and 2 share a prompt block), token for token;
 - for vision-language models whose image inputs it can build (`image_inputs`: one fixed image size,
   features from the model's own `get_image_features`): three rows with the same text and the same
   image placeholders, images A, B, A, token for token.
@@ -46,6 +52,14 @@ from family_configs import FAMILY_CONFIG, FAMILY_INPUTS, FAMILY_OWN_PAD, FAMILY_
 VOCAB_MAX_ID = 400  # prompt ids are drawn below this and below the vocabulary
 NEW_TOKENS = 5
 LOGITS_ATOL = 1e-4
+QK_SCALE = 10.0  # query and key projections scaled so that attention is peaked (`sharpen`)
+ROPE_THRESHOLD = 22  # longrope / dynamic NTK switch here: the 20-token rows cross it while generating
+ENGINE_CHUNK = 16  # the engine check's token budget per step: prompts longer than it are prefilled in chunks
+# Module names of query/key projections (fused ones too) and of q/k norms.
+_QK_NORMS = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm",
+                       "q_ln", "k_ln"})
+_QK_MODULES = frozenset({"q_proj", "k_proj", "query", "key", "wq", "wk", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+                         "qkv_proj", "query_key_value", "c_attn", "Wqkv", "qkv", "W_pack"}) | _QK_NORMS
 
 # The generic shrink: every field name transformers' configs use for a size, and the tiny value.
 _SIZES = {
@@ -134,6 +148,8 @@ def tiny_config(config_class, base=None, overrides: dict | None = None):
         # masks never slide, though a DynamicCache would keep only a shrunk window).
         kwargs["sliding_window"] = 8
     kwargs.update(_shrunk_rope(config_class, values, kwargs))
+    if isinstance(values.get("attention_chunk_size"), int) and values["attention_chunk_size"] > 8:
+        kwargs["attention_chunk_size"] = 8  # chunked attention's chunks end inside the prompts
     for key, value in overrides.items():
         if key in nested:
             continue
@@ -144,6 +160,7 @@ def tiny_config(config_class, base=None, overrides: dict | None = None):
         else:
             kwargs[key] = value
     merged = {**values, **kwargs}
+    _shrink_rope_threshold(merged)
     merged.pop("model_type", None)
     merged.pop("transformers_version", None)
     config = config_class(**merged)
@@ -200,6 +217,88 @@ def _shrunk_rope(config_class, values: dict, kwargs: dict) -> dict:
             scaled[-1] += pairs - sum(scaled)
             out[key] = {**rope, "mrope_section": scaled}
     return out
+
+
+def _shrink_rope_threshold(values: dict) -> None:
+    """Length-dependent rope (longrope, dynamic NTK) switches at `ROPE_THRESHOLD` tokens, inside the prompts,
+    so that the sweep's generation crosses it; so does Phi-3's cache recompute (`original_max_position_embeddings`)."""
+    rope = values.get("rope_parameters")
+    if not isinstance(rope, dict) or rope.get("rope_type") not in ("longrope", "dynamic"):
+        return
+    if rope["rope_type"] == "longrope":
+        values["rope_parameters"] = {**rope, "original_max_position_embeddings": ROPE_THRESHOLD}
+        if "original_max_position_embeddings" in values:
+            values["original_max_position_embeddings"] = ROPE_THRESHOLD
+    else:
+        values["max_position_embeddings"] = ROPE_THRESHOLD
+
+
+def sharpen(model: torch.nn.Module, factor: float = QK_SCALE) -> None:
+    """Scale every query and key projection (a fused q/k/v projection whole) and q/k norm by `factor`, so
+    that attention is peaked: at transformers' default initialisation it is nearly uniform, and a
+    position bug would change nothing."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or leaf not in _QK_MODULES:
+                continue
+            weight.mul_(factor)
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor) and leaf not in _QK_NORMS:
+                bias.mul_(factor)
+
+
+def _length_rope(config) -> bool:
+    from hf_paged.hf.rope import rope_kind, rope_types_of
+
+    return any(rope_kind(t) is not None for t in rope_types_of(config).values())
+
+
+def _fresh_rope(model: torch.nn.Module) -> None:
+    """Stock's dynamic-NTK rotary modules remember the longest length seen: a row run alone starts fresh."""
+    for module in model.modules():
+        if hasattr(module, "original_inv_freq") and hasattr(module, "max_seq_len_cached"):
+            module.inv_freq = module.original_inv_freq.clone()
+            module.max_seq_len_cached = module.original_max_seq_len
+
+
+def _rows_alone(stock, rows, ids, batch_out, gen, id_key, mask_key) -> torch.Tensor:
+    """`batch_out` with each row's generated tokens replaced by stock's for that row run alone."""
+    out = batch_out.clone()
+    width = ids.shape[1]
+    for r, row in enumerate(rows):
+        _fresh_rope(stock)
+        alone = torch.tensor([row])
+        new = _sequences(stock.generate(**{id_key: alone, mask_key: torch.ones_like(alone)}, **gen))[0, len(row):]
+        out[r, width:width + len(new)] = new
+    return out
+
+
+def _engine_check(paged, text: dict, gen: dict, rows: list[list[int]]):
+    """The drop-in `generate` on an engine that prefills in chunks of `ENGINE_CHUNK` tokens, with a pool one
+    block above the longest row's need (rows preempt one another; rows 0 and 2 share their prompt's full
+    block through the prefix cache). (sequences, whether a row was preempted), or None where the call
+    is not the engine's."""
+    from hf_paged import Engine
+    from hf_paged.config import PagedCacheConfig
+    from hf_paged.hf import PagedCache
+    from hf_paged.integrations.batch_generate import try_engine_generate
+
+    longest = max(map(len, rows)) + NEW_TOKENS
+    tight = PagedCache(paged.config, PagedCacheConfig()).manager.max_blocks_for(longest) + 1
+    paged.hf_paged_cache_config = PagedCacheConfig(num_blocks=tight)  # what the drop-in sizes its pool by
+    engine = Engine(paged, num_blocks=tight, max_num_seqs=len(rows), max_num_batched_tokens=ENGINE_CHUNK,
+                    show_progress=False)
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            out = try_engine_generate(paged, None, None, {**text, **gen}, engine=engine)
+        preempted = engine.metrics()["vllm:num_preemptions"] > 0
+    finally:
+        engine.shutdown()
+        del paged.hf_paged_cache_config
+    return None if out is None else (_sequences(out), preempted)
 
 
 def _special_ids(config) -> set[int]:
@@ -316,6 +415,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
             stock = _build(model_class, config, None, setup=FAMILY_SETUP.get(model_type))
         if not stock.can_generate():
             return done("untested", "the class does not generate")
+        sharpen(stock)
         vocab = _vocab_of(config)
         pad = getattr(config.get_text_config(decoder=True), "pad_token_id", None) or 0
         rows, extra = prompts_for(config, vocab), {}
@@ -347,6 +447,10 @@ def run_family(model_type: str, mapping: str) -> Outcome:
             torch.manual_seed(0)  # a generate that draws (a diffusion decoder's canvas) draws alike on both sides
             want = _sequences(stock.generate(**text, **extra, **gen))
             want_logits = stock(**text, use_cache=False, **extra).logits
+            if _length_rope(config) and not extra:
+                # frequencies that follow the length: what stock gives each row run alone (hf_paged's promise;
+                # stock's batch rotates every row for the longest one's length)
+                want = _rows_alone(stock, rows, ids, want, gen, id_key, mask_key)
     except Exception as exc:  # noqa: BLE001 - classified, with its reason
         return done("untested", f"stock fails on the tiny config: {type(exc).__name__}: {str(exc)[:160]}")
 
@@ -376,6 +480,25 @@ def run_family(model_type: str, mapping: str) -> Outcome:
     worst = (got_logits[live] - want_logits[live]).abs().max().item()
     if not math.isfinite(worst) or worst > LOGITS_ATOL:
         return done("different", f"forward: max |logit diff| {worst:.2e} > {LOGITS_ATOL}", checks)
+    fallback = [str(w.message) for w in caught if "dense" in str(w.message) or "fallback" in str(w.message)]
+    from hf_paged.integrations.batch_generate import release
+
+    if release(paged) and not fallback and not extra:  # the drop-in generate ran on an engine: stress that path
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                served = _engine_check(paged, text, gen, rows)
+        except Exception as exc:  # noqa: BLE001
+            if _is_refusal(exc):
+                return done("refused", "engine: " + str(exc), checks)
+            return done("crash", f"engine: {type(exc).__name__}: {str(exc)[:280]}", checks)
+        if served is not None:
+            got, preempted = served
+            if not torch.equal(got, want):
+                row = int((got != want).any(-1).nonzero()[0])
+                return done("different", f"engine: row {row} {got[row, ids.shape[1]:].tolist()} vs stock "
+                                          f"{want[row, ids.shape[1]:].tolist()}", checks)
+            checks.append("engine, preempted" if preempted else "engine")
     if model_type in FAMILY_INPUTS and any(k in extra for k in ("pixel_values", "flattened_patches")):
         checks.append("images")  # every check above ran with one image per row (A, B, C, A)
     elif mapping != "causal":
@@ -403,7 +526,6 @@ def run_family(model_type: str, mapping: str) -> Outcome:
                 return done("different", f"images: row {row} {got[row, width:].tolist()} vs stock "
                                          f"{want[row, width:].tolist()}", checks)
             checks.append("images")
-    fallback = [str(w.message) for w in caught if "dense" in str(w.message) or "fallback" in str(w.message)]
     if fallback:
         return done("fallback", fallback[0][:200], checks)
     return done("identical", "", checks)

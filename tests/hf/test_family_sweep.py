@@ -22,9 +22,11 @@ README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 MUST = {
     "identical": ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "cohere", "cohere2", "olmo2",
                   "granite", "starcoder2", "gemma", "phi", "gpt2", "gpt_neox", "gptj", "smollm3", "opt",
-                  "deepseek_v3", "moshi", "chameleon", "llava", "qwen2_vl", "qwen2_5_vl", "smolvlm", "paligemma", "gemma3"],
+                  "deepseek_v3", "moshi", "chameleon", "llava", "qwen2_vl", "qwen2_5_vl", "smolvlm", "paligemma", "gemma3",
+                  "phi3", "phimoe"],  # with longrope, crossing its threshold (issue 51)
     "refused": ["mpt", "bloom", "xglm", "gpt_neox_japanese", "stablelm", "mllama", "falcon", "git",
-                "diffllama", "unlimited_ocr", "doge", "jetmoe", "idefics", "dory", "blip"],
+                "diffllama", "unlimited_ocr", "doge", "jetmoe", "idefics", "dory", "blip",
+                "phi4_multimodal"],  # longrope: stock feeds one token past the threshold (issue 51)
     "fallback": ["florence2", "udop", "t5gemma2", "vision-encoder-decoder", "pp_formulanet"],
 }
 
@@ -105,3 +107,23 @@ def test_tiny_config_shrinks_sub_configs_and_per_layer_lists():
 def test_vlms_are_checked_with_images(outcomes):
     with_images = {o.model_type for o in outcomes if o.mapping != "causal" and "images" in o.checks}
     assert {"llava", "paligemma", "mistral3", "blip-2", "kosmos-2", "pix2struct"} <= with_images, with_images
+
+
+def test_the_sweep_sharpens_attention_and_crosses_rope_thresholds():
+    """What makes the sweep see position bugs: peaked attention, and thresholds inside its prompts."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = family_sweep.family_config("phi3")
+    assert config.rope_parameters["rope_type"] == "longrope"
+    assert config.rope_parameters["original_max_position_embeddings"] == family_sweep.ROPE_THRESHOLD
+    assert config.original_max_position_embeddings == family_sweep.ROPE_THRESHOLD  # Phi-3's cache recompute
+    lengths = [len(p) for p in family_sweep.prompts_for(config, config.vocab_size)]
+    threshold, fed = family_sweep.ROPE_THRESHOLD, family_sweep.NEW_TOKENS - 1  # the last token is never fed
+    assert any(n <= threshold < n + fed for n in lengths) and any(n > threshold for n in lengths)
+    model = AutoModelForCausalLM.from_config(family_sweep.family_config("llama"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    family_sweep.sharpen(model)
+    for name, param in model.named_parameters():
+        scale = family_sweep.QK_SCALE if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+        assert torch.equal(param, before[name] * scale), name
