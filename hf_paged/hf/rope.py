@@ -128,9 +128,16 @@ def _update_wrapper_code():
 
 
 def _is_length_rotary(module: torch.nn.Module) -> bool:
+    """A rotary module whose forward goes through `dynamic_rope_update` (under other decorators too: 5.22
+    wraps it in `torch.no_grad()`)."""
+    if not (hasattr(module, "rope_type") and hasattr(module, "config")):
+        return False
     forward = getattr(type(module), "forward", None)
-    return (getattr(forward, "__code__", None) is _update_wrapper_code() and hasattr(module, "rope_type")
-            and hasattr(module, "config"))
+    while forward is not None:
+        if getattr(forward, "__code__", None) is _update_wrapper_code():
+            return True
+        forward = getattr(forward, "__wrapped__", None)
+    return False
 
 
 def _layers_of(module: torch.nn.Module) -> dict:

@@ -255,7 +255,7 @@ def _length_rope(config) -> bool:
     return any(rope_kind(t) is not None for t in rope_types_of(config).values())
 
 
-def _fresh_rope(model: torch.nn.Module) -> None:
+def fresh_rope(model: torch.nn.Module) -> None:
     """Stock's dynamic-NTK rotary modules remember the longest length seen: a row run alone starts fresh."""
     for module in model.modules():
         if hasattr(module, "original_inv_freq") and hasattr(module, "max_seq_len_cached"):
@@ -268,7 +268,7 @@ def _rows_alone(stock, rows, ids, batch_out, gen, id_key, mask_key) -> torch.Ten
     out = batch_out.clone()
     width = ids.shape[1]
     for r, row in enumerate(rows):
-        _fresh_rope(stock)
+        fresh_rope(stock)
         alone = torch.tensor([row])
         new = _sequences(stock.generate(**{id_key: alone, mask_key: torch.ones_like(alone)}, **gen))[0, len(row):]
         out[r, width:width + len(new)] = new

@@ -18,6 +18,7 @@ import hf_paged  # noqa: F401 - registers "hf_paged"
 from hf_paged import Engine, SamplingParams
 from hf_paged.core.rope import LengthRope
 from hf_paged.hf import rope as hf_rope
+from family_sweep import _left_pad, fresh_rope, sharpen
 from tests.tiny_models import cache_of, with_cache
 
 pytestmark = pytest.mark.parity
@@ -40,7 +41,8 @@ def _config(name: str):
     if name == "phi3-su":
         return Phi3Config(**_COMMON, max_position_embeddings=4 * THRESHOLD, original_max_position_embeddings=THRESHOLD,
                           rope_scaling=dict(type="su", short_factor=_LONGROPE["short_factor"],
-                                            long_factor=_LONGROPE["long_factor"]))
+                                            long_factor=_LONGROPE["long_factor"],
+                                            original_max_position_embeddings=THRESHOLD))  # 5.22 needs it here
     if name == "phimoe":
         return PhimoeConfig(**_COMMON, num_local_experts=4, num_experts_per_tok=2,
                             max_position_embeddings=4 * THRESHOLD, original_max_position_embeddings=THRESHOLD,
@@ -55,30 +57,6 @@ def _config(name: str):
 
 
 NAMES = ["phi3-longrope", "phi3-su", "phimoe", "llama-dynamic", "llama-longrope"]
-
-
-def sharpen(model: torch.nn.Module, factor: float = 10.0) -> None:
-    """Scale the q and k projections (Phi-3's fused qkv: its q and k rows) so attention is peaked."""
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    q_rows = config.num_attention_heads * head_dim
-    k_rows = config.num_key_value_heads * head_dim
-    with torch.no_grad():
-        for name, module in model.named_modules():
-            if name.endswith(("q_proj", "k_proj")):
-                module.weight.mul_(factor)
-                if module.bias is not None:
-                    module.bias.mul_(factor)
-            elif name.endswith("qkv_proj"):
-                module.weight[: q_rows + k_rows].mul_(factor)
-
-
-def _reset_rope(model: torch.nn.Module) -> None:
-    """Stock's rotary modules remember the longest length seen (dynamic NTK); a prompt run alone starts fresh."""
-    for module in model.modules():
-        if hasattr(module, "original_inv_freq") and hasattr(module, "max_seq_len_cached"):
-            module.inv_freq = module.original_inv_freq.clone()
-            module.max_seq_len_cached = module.original_max_seq_len
 
 
 _MODELS: dict = {}
@@ -102,21 +80,21 @@ def _prompts(lengths=LENGTHS, seed=0):
 
 
 def stock_alone(stock, prompt: list[int], new: int = NEW, **kwargs) -> list[int]:
-    _reset_rope(stock)
+    fresh_rope(stock)
     ids = torch.tensor([prompt])
     out = stock.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
                          min_new_tokens=new, **kwargs)
     return out[0, len(prompt):].tolist()
 
 
-def _left_pad(prompts):
-    width = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    return ids, mask
+def engine_run(paged, prompts, num_blocks: int):
+    """Greedy tokens per prompt from an engine that prefills in chunks of 16 tokens, and its metrics."""
+    engine = Engine(paged, num_blocks=num_blocks, max_num_seqs=8, max_num_batched_tokens=16)
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, temperature=0.0))
+        return [list(o.outputs[0].token_ids) for o in outs], engine.metrics()
+    finally:
+        engine.shutdown()
 
 
 # -------------------------------------------------------------------------------- the bookkeeping
@@ -166,7 +144,7 @@ def test_left_padded_batch_crossing_the_threshold(name):
     stock, paged = models(name)
     prompts = _prompts()
     want = [stock_alone(stock, p) for p in prompts]
-    ids, mask = _left_pad(prompts)
+    ids, mask = _left_pad(prompts, 0)
     out = paged.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
     got = out[:, ids.shape[1]:].tolist()
     assert got == want
@@ -177,13 +155,8 @@ def test_engine_chunked_prefill_prompts_on_both_sides_share_steps(name):
     stock, paged = models(name)
     prompts = _prompts(seed=1) + _prompts([20, 40], seed=2)
     want = [stock_alone(stock, p) for p in prompts]
-    engine = Engine(paged, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=16)
-    try:
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, temperature=0.0))
-        metrics = engine.metrics()
-    finally:
-        engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    got, metrics = engine_run(paged, prompts, num_blocks=96)
+    assert got == want
     if _config(name).model_type in ("phi3", "phimoe"):
         # a prompt at or under the threshold that feeds past it while generating is recomputed once, as
         # stock drops its cache there (25 and 31 here)
@@ -199,13 +172,8 @@ def test_engine_preempting_and_sharing_a_prefix(name):
     base = _prompts([20], seed=3)[0]
     prompts = [base + t for t in _prompts([4, 16, 30], seed=4)] + [base]
     want = [stock_alone(stock, p) for p in prompts]
-    engine = Engine(paged, num_blocks=7, max_num_seqs=4, max_num_batched_tokens=16)
-    try:
-        outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, temperature=0.0))
-        metrics = engine.metrics()
-    finally:
-        engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    got, metrics = engine_run(paged, prompts, num_blocks=7)
+    assert got == want
     assert metrics["vllm:num_preemptions"] > 0
 
 
@@ -220,7 +188,7 @@ def test_returned_cache_continued_across_the_threshold(name):
     assert out.sequences[0, len(prompt):].tolist() == first
     more = out.sequences[0].tolist() + _prompts([10], seed=6)[0]  # 36 tokens: past the threshold
     # stock: the same two calls, the second continuing the first's cache
-    _reset_rope(stock)
+    fresh_rope(stock)
     s1 = stock.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
                         min_new_tokens=6, return_dict_in_generate=True)
     s_ids = torch.tensor([more])
@@ -238,10 +206,10 @@ def test_beams_crossing_the_threshold(name):
     prompt = _prompts([27], seed=7)[0]
     kwargs = dict(num_beams=3, length_penalty=0.7, num_return_sequences=2)
     ids = torch.tensor([prompt])
-    _reset_rope(stock)
+    fresh_rope(stock)
     want = stock.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
                           min_new_tokens=NEW, **kwargs)[:, len(prompt):].tolist()
-    _reset_rope(paged)
+    fresh_rope(paged)
     out = paged.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
                          min_new_tokens=NEW, **kwargs)
     assert out[:, len(prompt):].tolist() == want
