@@ -32,6 +32,8 @@ class EngineCollector:
         yield counter("vllm:prompt_tokens", "Prompt tokens computed.", m["vllm:prompt_tokens"])
         yield counter("vllm:generation_tokens", "Tokens generated.", m["vllm:generation_tokens"])
         yield counter("vllm:num_preemptions", "Preemptions.", m["vllm:num_preemptions"])
+        yield counter("hf_paged:num_rope_recomputes", "Sequences recomputed with longrope's long factors at its "
+                      "threshold (as stock drops its cache).", m["num_rope_recomputes"])
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up.", m["vllm:prefix_cache_queries"])
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache.", m["vllm:prefix_cache_hits"])
         yield counter("vllm:request_success", "Requests finished.", m["vllm:request_success"])

@@ -256,3 +256,23 @@ def test_a_model_whose_stock_feeds_only_the_newest_token_past_the_threshold_is_r
     model.set_attn_implementation("hf_paged")
     with pytest.raises(ValueError, match="hf_paged cannot serve LastToken with longrope"):
         Engine(model, num_blocks=16)
+
+
+@pytest.mark.parametrize("name", ["phi3-longrope", "llama-dynamic"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_across_the_threshold_stays_lossless(name, method):
+    """Verified drafts keep each token's frequencies; a draft never straddles Phi-3's recompute."""
+    stock, paged = models(name)
+    motif = _prompts([6], seed=8)[0]
+    prompts = [motif * 4, (motif * 6)[:33], _prompts([28], seed=9)[0]]  # repeats give n-gram proposals
+    want = [stock_alone(stock, p) for p in prompts]
+    spec = (dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=2) if method == "ngram"
+            else dict(draft_model=copy.deepcopy(paged), num_speculative_tokens=3))
+    engine = Engine(paged, num_blocks=96, max_num_seqs=4, max_num_batched_tokens=16, **spec)
+    try:
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, temperature=0.0))
+        accepted = engine.metrics().get("vllm:spec_decode_num_accepted_tokens", 0)
+    finally:
+        engine.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert accepted > 0 or method == "ngram"  # the draft model's drafts were verified and kept

@@ -126,7 +126,8 @@ def test_every_endpoint_but_health_needs_the_key(server, headers):
 def test_metrics_use_vllms_names(server):
     text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",
-                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count"):
+                 "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_count",
+                 "hf_paged:num_rope_recomputes_total"):
         assert name in text
 
 
