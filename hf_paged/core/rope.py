@@ -62,7 +62,9 @@ class LengthRope:
         for `recompute`, long from the start when `end` passes the threshold."""
         if end <= start:
             return self
-        spans = tuple(s for s in self.spans if s[1] <= start) + ((start, end),)
+        # Earlier spans stay whole (a kept prefix cropped inside its prompt keeps its tokens' lengths);
+        # the newest span containing a position decides (`rope_len`).
+        spans = tuple(s for s in self.spans if s[0] < start) + ((start, end),)
         return replace(self, spans=spans, long=self.long or (self.recompute and end > self.threshold and start == 0))
 
     def continuing(self, kept: "LengthRope | None", held: int, prompt_len: int) -> "LengthRope":
@@ -74,7 +76,7 @@ class LengthRope:
     def rope_len(self, position: int) -> int:
         """The sequence length `S` stock computed the token at `position` for."""
         length = position + 1
-        for start, end in self.spans:
+        for start, end in reversed(self.spans):
             if start <= position < end:
                 length = end
                 break

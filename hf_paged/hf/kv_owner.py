@@ -47,6 +47,7 @@ from ..config import PagedCacheConfig, kv_bytes_per_token_layer, kv_layout
 from ..core import BlockManager, BlockPool, KVSequence
 from . import kv_transfer, pool_sizing
 from .layer import PagedLayer
+from .rope import has_length_rope
 from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
                       layer_types_of, layer_windows_of)
 from .weights import WeightsEpoch
@@ -68,6 +69,9 @@ class KVOwner:
         if cache_config is not None and overrides:
             raise TypeError("pass either cache_config or keyword overrides, not both")
         check_model_supported(config)
+        # Rotary frequencies that follow the length: a sequence without its rope history (`core.rope`) is never
+        # hashed, so that keys rotated for one length are never served to a sequence needing another.
+        self._length_rope = has_length_rope(config)
         self.cache_config = cache_config or PagedCacheConfig(**overrides)
         windows = layer_windows_of(config)
         self.layout = kv_layout(windows if self.cache_config.enable_hybrid_kv else [None] * len(windows))
@@ -285,7 +289,9 @@ class KVOwner:
         """
         if for_paged_steps:
             check_paged_attention_supported(self.model_config)
-        return KVSequence(seq_id=self.next_seq_id(), extra_key=self.sequence_salt())
+        # Stock generate's rows and imported prompts carry no rope history: unhashed where it matters.
+        return KVSequence(seq_id=self.next_seq_id(), extra_key=self.sequence_salt(),
+                          is_cacheable=for_paged_steps or not self._length_rope)
 
     def next_seq_id(self) -> int:
         return next(self._seq_ids)

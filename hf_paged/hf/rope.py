@@ -83,6 +83,11 @@ def default_max_model_len(text_config) -> int | None:
     return limit
 
 
+def has_length_rope(config) -> bool:
+    """Whether some layer of `config`'s text model rotates with frequencies that follow the length."""
+    return any(rope_kind(t) is not None for t in rope_types_of(config).values())
+
+
 def check_rope_supported(config) -> None:
     """Raise ValueError at load for a rope type hf_paged has not classified."""
     for rope_type in rope_types_of(config).values():

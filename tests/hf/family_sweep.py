@@ -47,6 +47,7 @@ import warnings
 
 import torch
 
+from hf_paged.hf.rope import has_length_rope
 from family_configs import FAMILY_CONFIG, FAMILY_INPUTS, FAMILY_OWN_PAD, FAMILY_SETUP, FAMILY_TEXT_KEYS, NOT_COVERED
 
 VOCAB_MAX_ID = 400  # prompt ids are drawn below this and below the vocabulary
@@ -249,12 +250,6 @@ def sharpen(model: torch.nn.Module, factor: float = QK_SCALE) -> None:
                 bias.mul_(factor)
 
 
-def _length_rope(config) -> bool:
-    from hf_paged.hf.rope import rope_kind, rope_types_of
-
-    return any(rope_kind(t) is not None for t in rope_types_of(config).values())
-
-
 def fresh_rope(model: torch.nn.Module) -> None:
     """Stock's dynamic-NTK rotary modules remember the longest length seen: a row run alone starts fresh."""
     for module in model.modules():
@@ -447,7 +442,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
             torch.manual_seed(0)  # a generate that draws (a diffusion decoder's canvas) draws alike on both sides
             want = _sequences(stock.generate(**text, **extra, **gen))
             want_logits = stock(**text, use_cache=False, **extra).logits
-            if _length_rope(config) and not extra:
+            if has_length_rope(config) and not extra:
                 # frequencies that follow the length: what stock gives each row run alone (hf_paged's promise;
                 # stock's batch rotates every row for the longest one's length)
                 want = _rows_alone(stock, rows, ids, want, gen, id_key, mask_key)

@@ -276,3 +276,41 @@ def test_speculative_decoding_across_the_threshold_stays_lossless(name, method):
         engine.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert accepted > 0 or method == "ngram"  # the draft model's drafts were verified and kept
+
+
+def test_stock_generate_over_a_paged_cache_never_shares_blocks_rotated_for_another_length():
+    """Beams run stock generate over a PagedCache: rows sharing a prefix were rotated for different lengths."""
+    stock, paged = models("llama-dynamic")
+    long = _prompts([45], seed=11)[0]
+    rows = [long, long[:20]]
+    kwargs = dict(do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, num_beams=2)
+    want = []
+    for p in rows:
+        fresh_rope(stock)
+        ids = torch.tensor([p])
+        want.append(stock.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)[0, len(p):].tolist())
+    ids, mask = _left_pad(rows, 0)
+    assert paged.generate(ids, attention_mask=mask, **kwargs)[:, ids.shape[1]:].tolist() == want
+
+
+def test_imported_kv_is_never_served_to_a_prompt_rotated_for_another_length():
+    """Disaggregated decode: K/V computed elsewhere carry no rope history, so they are never hashed."""
+    stock, paged = models("llama-dynamic")
+    long = _prompts([45], seed=11)[0]
+    engine = Engine(paged, num_blocks=64)
+    try:
+        first = engine.generate([long], SamplingParams(max_new_tokens=1, temperature=0.0), retain_kv=True)[0]
+        [seq] = engine.kept_kv(first.request_id)
+        exported = engine.export_kv(seq)
+        engine.free_kv([seq])
+        engine.free_kv([engine.import_kv(long, exported)])
+        got = engine.generate([long[:20]], SamplingParams(max_new_tokens=NEW, min_new_tokens=NEW, temperature=0.0))
+    finally:
+        engine.shutdown()
+    assert list(got[0].outputs[0].token_ids) == stock_alone(stock, long[:20])
+
+
+def test_a_kept_prefix_cropped_inside_its_prompt_keeps_its_tokens_lengths():
+    rope = LengthRope("dynamic", threshold=8).fed(0, 12)
+    cropped = rope.fed(5, 14)  # kept 5 tokens of the 12-token prompt, then a continuation fed to 14
+    assert [cropped.rope_len(p) for p in range(0, 15)] == [12] * 5 + [14] * 9 + [15]
