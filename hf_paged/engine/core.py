@@ -52,6 +52,18 @@ class RequestError(ValueError):
     """A failure that belongs to one request and will not go away on a retry (NaN logits)."""
 
 
+def _take_prefix(kv: KVOwner, request: Request, prefix: KVSequence) -> None:
+    """Start `request` from its kept `prefix` if `kv` still holds it: admission starts after its tokens
+    (`Scheduler.schedule`). Where the rope follows the length (`core.rope`), the prompt continues the
+    prefix's rotary history, which a prefix whose blocks are lost (`ReturnedCache`) still carries."""
+    if kv.take(prefix):
+        prefix.rope = request.seq.rope and request.seq.rope.continuing(prefix.rope, prefix.num_tokens,
+                                                                       request.num_prompt_tokens)
+        request.seq = prefix
+    elif prefix.rope is not None and request.seq.rope is not None:
+        request.seq.rope = prefix.rope
+
+
 class EngineCore:
     """Schedules, executes, samples and updates the engine's requests, one step at a time.
 
@@ -343,10 +355,8 @@ class EngineCore:
     def add(self, tracked: TrackedRequest) -> None:
         """Queue a registered request (taking over its kept `kv_prefix` if that is still held)."""
         prefix, tracked.kv_prefix = tracked.kv_prefix, None
-        if prefix is not None and self.kv.take(prefix):
-            prefix.rope = tracked.request.seq.rope and tracked.request.seq.rope.continuing(
-                prefix.rope, prefix.num_tokens, tracked.request.num_prompt_tokens)  # `core.rope`
-            tracked.request.seq = prefix  # admission starts after its tokens (`Scheduler.schedule`)
+        if prefix is not None:
+            _take_prefix(self.kv, tracked.request, prefix)
         self.images.add(tracked)
         self.scheduler.add(tracked.request)
 

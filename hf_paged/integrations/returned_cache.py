@@ -77,6 +77,9 @@ class ReturnedCache(DynamicCache):
         self._model_ref = weakref.ref(model)
         self._kept = _Kept(engine, list(seqs))
         weakref.finalize(self, self._kept.release)
+        # Each row's rotary history where the model's rope follows the length (`core.rope`): a row whose
+        # blocks are lost by its continuation is recomputed with the frequencies stock gave it.
+        self._ropes = [getattr(s, "rope", None) for s in seqs]
         self._tokens = tokens.detach().to("cpu", torch.long)
         self._mask = mask.detach().to("cpu", torch.long)
         self._dense = False
@@ -129,9 +132,14 @@ class ReturnedCache(DynamicCache):
             return None
         same_engine = engine is not None and self._kept.engine() is engine
         out = []
-        for seq, row in zip(self._kept.seqs, rows):
+        for r, (seq, row) in enumerate(zip(self._kept.seqs, rows)):
             usable = (same_engine and seq is not None and engine.holds(seq) and seq.num_tokens < len(row)
                       and seq.token_ids == row[: seq.num_tokens])
+            rope = self._ropes[r] if r < len(self._ropes) else None
+            if not usable and rope is not None:
+                # its blocks are gone: an empty sequence carrying the history, this call fed after the cached
+                # columns (the engine recomputes the row with it)
+                seq, usable = KVSequence(seq_id=-1, rope=rope.fed(int(self._mask[r].sum()), len(row))), True
             out.append(seq if usable else None)
         return out
 
@@ -143,6 +151,7 @@ class ReturnedCache(DynamicCache):
         self._kept.release()
         self._kept.engine_ref = weakref.ref(engine)
         self._kept.seqs = list(seqs)
+        self._ropes = [getattr(s, "rope", None) for s in seqs]
         self._tokens = tokens.detach().to("cpu", torch.long)
         self._mask = mask.detach().to("cpu", torch.long)
 

@@ -314,3 +314,25 @@ def test_a_kept_prefix_cropped_inside_its_prompt_keeps_its_tokens_lengths():
     rope = LengthRope("dynamic", threshold=8).fed(0, 12)
     cropped = rope.fed(5, 14)  # kept 5 tokens of the 12-token prompt, then a continuation fed to 14
     assert [cropped.rope_len(p) for p in range(0, 15)] == [12] * 5 + [14] * 9 + [15]
+
+
+@pytest.mark.parametrize("name", ["llama-dynamic", "phi3-longrope"])
+def test_a_returned_cache_whose_rows_were_lost_continues_with_their_history(name):
+    """The engine that kept the rows is dropped before the continuation: the row is recomputed, each token
+    rotated as stock rotated it (the first prompt for its length, generated tokens for theirs)."""
+    from hf_paged.integrations.batch_generate import release
+
+    stock, paged = models(name)
+    prompt = _prompts([40 if name == "llama-dynamic" else 20], seed=5)[0]
+    ids = torch.tensor([prompt])
+    kwargs = dict(do_sample=False, max_new_tokens=6, min_new_tokens=6, return_dict_in_generate=True)
+    fresh_rope(stock)
+    s1 = stock.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    more = s1.sequences[0].tolist() + _prompts([10], seed=6)[0]
+    m = torch.tensor([more])
+    cont = dict(do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
+    want = stock.generate(m, attention_mask=torch.ones_like(m), **cont, **with_cache(cache_of(s1)))[0, len(more):]
+    out = paged.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    assert release(paged)  # the engine holding the row is gone
+    got = paged.generate(m, attention_mask=torch.ones_like(m), **cont, **with_cache(cache_of(out)))[0, len(more):]
+    assert got.tolist() == want.tolist()
