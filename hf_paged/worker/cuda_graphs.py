@@ -58,6 +58,7 @@ import torch
 from ..attention import dispatch
 from ..attention.metadata import PAGED, StepMetadata, block_table_array
 from ..hf import KVOwner
+from ..hf.rope import has_length_rope
 from ..hf.weights import VERSION_ATTR
 
 logger = logging.getLogger(__name__)
@@ -350,8 +351,7 @@ def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torc
     elif dispatch.backend(device) != "triton":
         reason = ("CUDA graphs need the Triton attention backend (the torch backend reads step metadata on the "
                   "host); unset HF_PAGED_BACKEND=torch")
-    elif any(("dynamic" in str(getattr(m, "rope_type", "")) or "longrope" in str(getattr(m, "rope_type", "")))
-             for m in model.modules()):
+    elif has_length_rope(model.config):
         reason = ("CUDA graphs cannot capture length-dependent RoPE (dynamic NTK, longrope: each sequence's "
                   "frequencies are chosen on the host per step)")
     if reason is not None and enabled:
