@@ -231,10 +231,7 @@ class _ShortRuns:
     def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
                  block_tables: torch.Tensor, block_size: int, num_tokens: int):
         used = [-(-seq_lens[i] // block_size) for i in seqs]
-        num_blocks = max(used)
-        if num_blocks > block_tables.shape[1]:
-            raise ValueError(f"paged_attention: a sequence of {max(seq_lens[i] for i in seqs)} tokens needs "
-                             f"{num_blocks} blocks; its block table has {block_tables.shape[1]} columns")
+        num_blocks = max(used)  # within the table's width (`_check_metadata`)
         rows = torch.tensor(seqs, device=block_tables.device)
         self.block_tables = block_tables[rows, :num_blocks].to(torch.int32).contiguous()  # [S, num_blocks]
         # The kernel reads whatever a block id points at: the ids it will read, checked per call against
@@ -253,6 +250,53 @@ class _ShortRuns:
         self.max_q_len = max(q_lens[i] for i in seqs)
         self.kv_tokens = sum(seq_lens[i] for i in seqs)
         self.num_splits = cpu_kernel.num_splits(len(seqs), num_blocks)
+
+
+def _check_metadata(cu: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int) -> None:
+    """Raise ValueError, naming the field, where a step's metadata (`cu_seqlens_q` and `seq_lens` as
+    host lists) would send attention outside its tensors: the native kernel reads and writes through
+    these numbers unchecked. Run once per step and KV group, on the lists the plan reads anyway; each
+    call then only compares shapes (`paged_attention`). Block ids are checked per call, against the
+    pool the layer passes."""
+    num_seqs = len(seq_lens)
+    if len(cu) != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"paged_attention: {num_seqs} seq_lens need cu_seqlens_q of {num_seqs + 1} entries and "
+                         f"block_tables of {num_seqs} rows; got {len(cu)} and {block_tables.shape[0]}")
+    if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"paged_attention: cu_seqlens_q must start at 0 and never decrease; got {cu[:16]}")
+    short = next((i for i, (a, b, n) in enumerate(zip(cu, cu[1:], seq_lens)) if n < b - a), None)
+    if short is not None:
+        raise ValueError(f"paged_attention: seq_lens[{short}]={seq_lens[short]} is fewer tokens than its "
+                         f"{cu[short + 1] - cu[short]} queries (cu_seqlens_q)")
+    longest = max(seq_lens, default=0)
+    if longest > block_tables.shape[1] * block_size:
+        raise ValueError(f"paged_attention: seq_lens holds a sequence of {longest} tokens, which needs "
+                         f"{-(-longest // block_size)} blocks; a block_tables row has {block_tables.shape[1]} "
+                         "columns")
+
+
+def _check_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  sinks: torch.Tensor | None) -> None:
+    """Raise ValueError, naming the field, where a layer's tensors disagree: the native kernel takes
+    its strides from the caches and its head count from the query. Shapes only: it runs every call,
+    so the one comparison of the common case comes first and the message is worked out after."""
+    _, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, key_dim = key_cache.shape
+    v_blocks, v_block_size, v_heads, _ = value_cache.shape
+    if (v_blocks == num_blocks and v_block_size == block_size and v_heads == num_kv_heads and num_kv_heads
+            and not num_q_heads % num_kv_heads and head_dim == key_dim
+            and (sinks is None or sinks.numel() == num_q_heads)):
+        return
+    if (v_blocks, v_block_size, v_heads) != (num_blocks, block_size, num_kv_heads):
+        raise ValueError(f"paged_attention: value_cache {tuple(value_cache.shape)} and key_cache "
+                         f"{tuple(key_cache.shape)} differ in [num_blocks, block_size, num_kv_heads]")
+    if not num_kv_heads or num_q_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: num_q_heads={num_q_heads} is not a multiple of the cache's "
+                         f"num_kv_heads={num_kv_heads}")
+    if head_dim != key_dim:
+        raise ValueError(f"paged_attention: the query's head_dim={head_dim} differs from the key cache's ({key_dim})")
+    raise ValueError(f"paged_attention: sinks has {sinks.numel()} entries; it needs one per query head "
+                     f"({num_q_heads})")
 
 
 class AttentionPlan:
@@ -279,6 +323,7 @@ class AttentionPlan:
     ):
         cu = cu_seqlens_q.tolist()  # one host sync per step, shared by every layer
         lens = seq_lens.tolist()
+        _check_metadata(cu, lens, block_tables, block_size)
         q_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
         self.num_tokens = cu[-1] if lens else 0
         self.workspace = workspace
@@ -336,6 +381,7 @@ def paged_attention(
     `plan` (from `AttentionPlan` on the same metadata) skips rebuilding the per-step indices.
     """
     num_tokens, num_q_heads, head_dim = query.shape
+    _check_shapes(query, key_cache, value_cache, sinks)
     if scales is None and key_cache.element_size() == 1:
         raise ValueError(f"paged_attention: a {key_cache.dtype} (quantised) cache needs its scales; got scales=None")
     num_kv_heads = key_cache.shape[2]
@@ -344,6 +390,9 @@ def paged_attention(
         return query.new_zeros(num_tokens, num_q_heads, value_cache.shape[-1])
     if plan is None:
         plan = AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, key_cache.shape[1])
+    if plan.num_tokens != num_tokens:  # past the query, the kernel would read and write out of bounds
+        raise ValueError(f"paged_attention: cu_seqlens_q ends at {plan.num_tokens}, but the query has {num_tokens} "
+                         "tokens; every query token belongs to exactly one sequence")
     out = None  # [num_tokens, Hq, Dv], in the dtype attention returns (under autocast, not the query's)
     groups = plan.groups
     runs = plan.short_runs
