@@ -152,6 +152,8 @@ TORCH_PRIVATES = {
     "_linear_pointwise": "torch.ops.mkldnn._linear_pointwise, Inductor's oneDNN linear, probed before use (hf.linear)",
     "_dynamo": "torch._dynamo.config.patch(recompile_limit=), the knob torch's own error names (attention.flex_paged)",
     "_exit": "os._exit, public despite its name: how a disaggregated worker ends without blocking teardown",
+    "_run_finalizers": "multiprocessing.util._run_finalizers(0), what an exit runs first: a worker ending with "
+                       "os._exit unlinks its named semaphores (disagg.worker.exit_process)",
 }
 
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..engine import EngineClosedError, RequestOutput, StreamEvent
 from ..engine.async_engine import LIVENESS_POLL_SECONDS
-from ..engine.metrics import EngineMetrics
+from ..engine.metrics import EngineMetrics, kv_cache_usage
 from ..engine.outputs import CompletionOutput
 from ..sampling_params import SamplingParams
 from .client import DisaggregatedEngine
@@ -134,9 +134,8 @@ class AsyncDisaggregatedEngine:
         for key in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits"):
             m[key] = sum(e.get(key, 0) for e in engines)
         decode = [workers[name] for name in self.engine.supervisor.decode_names if name in workers]
-        total = sum(st.get("num_blocks", 0) for st in decode)
-        free = sum(st.get("free_blocks", 0) for st in decode)
-        m["vllm:kv_cache_usage_perc"] = (total - free) / total if total else 0.0
+        m["vllm:kv_cache_usage_perc"] = kv_cache_usage(sum(st.get("num_blocks", 0) for st in decode),
+                                                       sum(st.get("free_blocks", 0) for st in decode))
         with self._lock:
             m["vllm:num_requests_running"] = self._running
             m["vllm:prompt_tokens"] = self._counts["prompt_tokens"]

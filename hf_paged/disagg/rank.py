@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from datetime import timedelta
@@ -26,6 +25,7 @@ from datetime import timedelta
 import torch
 
 from . import transfer
+from .worker import exit_process
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ def main(spec: str) -> int:
     group = transfer.kv_group(kv["backend"], store, rank, kv["world"], timedelta(seconds=kv["timeout"]))
     RankTransfers(engine, group, rank, kv["transfer_timeout"]).register()
     engine.serve_as_follower()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # never block on a K/V group whose peers may be gone
+    exit_process(0)  # never block on a K/V group whose peers may be gone
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -127,9 +128,22 @@ def main(spec: WorkerSpec) -> None:
                 pass
         code = 1
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # never block on a process group whose peers may be dead
+        exit_process(code)
+
+
+def exit_process(code: int) -> None:
+    """End this process now, without the interpreter's teardown: `os._exit`, so that it never blocks
+    on a process group whose peers may be dead. First what that teardown would release beyond the
+    process: multiprocessing's named semaphores (tqdm's lock, made by `from_pretrained`'s first
+    progress bar), unlinked by the finalizers an exit runs first (priority >= 0: no join among them),
+    or Python's resource tracker reports them as leaked when the engine shuts down."""
+    try:
+        multiprocessing.util._run_finalizers(0)
+    except Exception:  # noqa: BLE001 - nothing may stop the exit
+        logger.debug("hf_paged: exit finalizers failed", exc_info=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _build(spec: WorkerSpec):

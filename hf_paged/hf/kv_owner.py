@@ -126,7 +126,8 @@ class KVOwner:
 
     @property
     def num_cached_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix (reusable, or evicted when needed)."""
+        """Blocks holding a registered prefix: in use, or free and reusable (then among `num_free_blocks`
+        too: evicted when needed)."""
         return self.pool.num_cached_blocks
 
     def kv_numel_per_token(self) -> int:
@@ -509,8 +510,9 @@ class KVOwner:
         kv_transfer.check_transferable(self)
 
     def transfer_info(self) -> dict:
-        """What a disaggregated peer must agree on before K/V move between two engines."""
-        return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks + self.num_cached_blocks,
+        """What a disaggregated peer must agree on before K/V move between two engines, and the pool's
+        `free_blocks`: those a new request could take (`num_free_blocks`, cached ones among them, once)."""
+        return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks,
                 "block_size": self.block_size, "kv_numel_per_token": self.kv_numel_per_token(),
                 "kv_dtype": self.stored_dtype,
                 "kv_heads": self.slot_owners()[0].keys.shape[2] if self.slot_owners() else None}

@@ -29,6 +29,15 @@ def check_model_supported(config) -> None:
             f"hf_paged does not support encoder-decoder models (model_type={config.model_type!r}); "
             "use a decoder-only causal LM"
         )
+    check_decoder_supported(config)
+
+
+def check_decoder_supported(config, include_decoder_flag: bool = True) -> None:
+    """Raise ValueError naming what a decoder's config needs that a paged cache cannot give: layers
+    other than plain attention (Mamba, linear attention, Llama 4's chunked attention), cross-attention
+    layers, cross-layer KV sharing, a rope type not classified, no attention heads. The config alone
+    decides, so the load check (`integrations.load_check`) asks it too: such a model is refused when
+    it loads, with the engine's own message. `include_decoder_flag`: as `cross_attention_refusal`'s."""
     text = config.get_text_config(decoder=True)
     unsupported = sorted({t for t in layer_types_of(config) if t not in SUPPORTED_LAYER_TYPES})
     if unsupported:
@@ -36,7 +45,7 @@ def check_model_supported(config) -> None:
             f"hf_paged does not support model_type={text.model_type!r}: its layer types {unsupported} are "
             f"not plain attention (supported: {SUPPORTED_LAYER_TYPES}); {_INSTEAD}"
         )
-    reason = cross_attention_refusal(config)
+    reason = cross_attention_refusal(config, include_decoder_flag)
     if reason is not None:
         raise ValueError(reason)
     if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):

@@ -13,7 +13,10 @@ worse, loads and attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute at
 in the wrong form). A decoder with cross-attention layers (Mllama, Idefics), whose image K/V would
 land in the paged cache, is refused the same way (`hf.support.cross_attention_refusal`), and so is one whose attention computes
 with the K/V its cache returns before its attention function (`hf.support.cached_kv_refusal`: Doge's
-values-made mask, DiffLlama's split values, JetMoe). Sub-models
+values-made mask, DiffLlama's split values, JetMoe). So is every decoder the engine would refuse for
+its config alone (`hf.support.check_decoder_supported`: Llama 4's chunked attention, linear-attention
+and Mamba layers, cross-layer KV sharing), with the engine's message: such a model used to load and be
+refused only by its first `generate`, since it routes its attention like any other. Sub-models
 that do not generate (vision towers, encoder stacks) are left alone: they never read the paged
 cache. Reversible (`uninstall`), like the generate patch.
 """
@@ -25,7 +28,7 @@ import functools
 from transformers import PreTrainedModel
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..hf.support import attention_refusal, cached_kv_refusal, cross_attention_refusal
+from ..hf.support import attention_refusal, cached_kv_refusal, check_decoder_supported, cross_attention_refusal
 
 _original = None
 _original_loaders: dict[str, classmethod] = {}
@@ -52,9 +55,23 @@ def install() -> None:
                       or cached_kv_refusal(type(self), self.config))
             if reason is not None:
                 raise ValueError(reason)
+            if not getattr(self.config, "is_encoder_decoder", False):  # an encoder-decoder keeps the dense fallback
+                _check_decoder(self.config)
         return applicable
 
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation
+
+
+def _check_decoder(config) -> None:
+    """`check_decoder_supported` at load: its ValueError, and nothing else. A decoder inside an
+    encoder-decoder (which keeps the dense fallback, and its own `add_cross_attention`) may have a
+    config these questions cannot read; the engine asks them again, and says why, if it ever serves it."""
+    try:
+        check_decoder_supported(config, include_decoder_flag=False)
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - a config this check cannot read: no refusal from here
+        pass
 
 
 def _refusing_class_tables(load):

@@ -236,12 +236,16 @@ def test_an_attention_the_source_check_misses_is_refused_at_its_first_paged_forw
 def test_a_submodule_whose_attention_class_table_lacks_our_key_is_refused_at_load():
     """UnlimitedOCR routes its text attention, but its SAM vision encoder picks its attention class from
     a table of its own: `KeyError: 'hf_paged'` deep inside `__init__` before; one ValueError now, from
-    both loaders, and transformers' own KeyError again once the patch is uninstalled."""
+    both loaders, and transformers' own KeyError again once the patch is uninstalled. (Its text layers'
+    own type, "reference_sliding_attention", is refused first, by the config: plain layers here, so
+    that the vision encoder's table is what refuses.)"""
     from transformers import AutoModelForImageTextToText
 
     from family_sweep import tiny_config
 
     config = tiny_config(type(AutoConfig.for_model("unlimited_ocr")))
+    text = config.get_text_config(decoder=True)
+    text.layer_types = ["full_attention"] * text.num_hidden_layers
     with pytest.raises(ValueError, match="table of its own, which has no 'hf_paged' entry"):
         AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
     AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="sdpa")  # loads with sdpa
@@ -251,3 +255,29 @@ def test_a_submodule_whose_attention_class_table_lacks_our_key_is_refused_at_loa
             AutoModelForImageTextToText.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
     finally:
         hf_paged.integrations.install()
+
+
+@pytest.mark.parametrize("model_type, layer_type", [("llama4_text", "chunked_attention"),
+                                                    ("minimax", "linear_attention")])
+def test_layer_types_the_engine_refuses_are_refused_at_load(model_type, layer_type):
+    """Llama 4's chunked attention (its layers' type while `attention_chunk_size` is set) and MiniMax's
+    linear attention: both route attention through the interface, so they used to load with
+    attn_implementation="hf_paged" and be refused only by the first `generate`. The load now gives the
+    engine's own refusal; without chunked layers, Llama 4 loads."""
+    from family_sweep import family_config
+    from hf_paged.hf import check_model_supported
+
+    config = family_config(model_type, AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(model_type))])
+    refusal = rf"model_type='{model_type}': its layer types \['{layer_type}'\] are not plain attention.*'sdpa'"
+    with pytest.raises(ValueError, match=refusal):
+        check_model_supported(config)  # what the engine says
+    with pytest.raises(ValueError, match=refusal):
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    with pytest.raises(ValueError, match=refusal):
+        model.set_attn_implementation("hf_paged")
+    if model_type == "llama4_text":
+        config.attention_chunk_size, config.layer_types = None, None
+        config.__post_init__()  # the layer types again, every one full attention now
+        assert set(config.layer_types) == {"full_attention"}
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged")

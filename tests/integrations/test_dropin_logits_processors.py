@@ -10,6 +10,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 from hf_paged import Engine, SamplingParams
+from hf_paged.engine.core import InvalidDistributionError
 from tiny_models import VOCAB, left_padded_batch, tiny_model
 
 pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on every release checked
@@ -108,6 +109,62 @@ def test_a_processor_that_raises_ends_the_call_with_its_error_and_the_engine_goe
         _run(model, ids, mask, Broken())
     fine = _run(model, ids, mask, Recorder(ids.shape[1]))
     assert fine.shape == (2, ids.shape[1] + 10) and engine_calls == [True]  # (the raising call returned nothing)
+
+
+class Spoiler(LogitsProcessor):
+    """Fills every score of row `row` with `fill`, and makes token 17 of every other row NaN."""
+
+    def __init__(self, fill: float, row: int = 1):
+        self.fill, self.row = fill, row
+
+    def __call__(self, input_ids, scores):
+        out = scores.clone()
+        out[:, 17] = float("nan")
+        out[self.row] = self.fill
+        return out
+
+
+@pytest.mark.parametrize("fill", [float("nan"), -float("inf")], ids=["nan", "-inf"])
+def test_a_processor_that_leaves_nothing_to_sample_raises_as_in_stock(engine_calls, fill):
+    """Every score of a row NaN or -inf: stock's sampling raises (torch.multinomial refuses the NaN
+    probabilities) where the engine drew tokens anyway (a NaN was made finite; an all -inf row gave
+    garbage). Greedy raises on neither side: argmax takes the first NaN (token 17 here) or, in a row
+    all -inf, token 0."""
+    ids, mask = left_padded_batch([6, 3], seed=7)
+    model = tiny_model("llama")
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, pad_token_id=0, logits_processor=LogitsProcessorList([
+        Spoiler(fill)]))
+    with pytest.raises(RuntimeError, match="(?i)nan"):
+        model.generate(ids, do_sample=True, **kwargs)
+    greedy = model.generate(ids, do_sample=False, **kwargs)
+    assert greedy[:, ids.shape[1]:].tolist() == [[17] * 4, [0] * 4]
+    model.set_attn_implementation("hf_paged")
+    with pytest.raises(InvalidDistributionError, match="(?i)nan"):  # a RuntimeError, as stock's
+        model.generate(ids, do_sample=True, **kwargs)
+    assert torch.equal(model.generate(ids, do_sample=False, **kwargs), greedy)
+    assert engine_calls == [True]  # (the raising call returned nothing)
+
+
+def test_a_row_left_nothing_to_sample_ends_alone_and_the_engine_goes_on():
+    """In the engine, the row whose batch processor left no token to sample ends with that error; its
+    batch's other row and a request without the processor finish as they would without it."""
+    model = tiny_model("llama", "hf_paged")
+
+    def processor(rows, token_ids, num_prompt, scores):
+        out = scores.clone()
+        out[[k for k, r in enumerate(rows) if r == 1]] = -float("inf")
+        return out
+
+    prompts = [list(range(3, 9)), list(range(20, 31)), list(range(40, 44))]
+    sampled = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3)
+    engine = Engine(model, max_num_seqs=4)
+    plain = engine.generate(prompts, sampled)
+    spoiled = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, batch_processor=processor)
+    out = engine.generate(prompts, [spoiled, spoiled, sampled])
+    assert out[1].finish_reason == "error" and isinstance(out[1].error, InvalidDistributionError)
+    assert "no token to sample" in str(out[1].error)
+    assert [out[0].token_ids, out[2].token_ids] == [plain[0].token_ids, plain[2].token_ids]
+    assert engine.cache.pool.num_free_blocks == engine.cache.pool.num_blocks
 
 
 def test_a_processor_of_a_built_in_type_goes_to_stock_which_replaces_its_own(engine_calls):
