@@ -18,6 +18,23 @@ MAX_DECODE_QUERY_LEN = 16
 # k drafts are verified at k + 1 positions, which must stay on the decode path.
 MAX_SPECULATIVE_TOKENS = MAX_DECODE_QUERY_LEN - 1
 
+# Limits on what a caller's JSON and grammars may cost (the server's bodies, `StructuredOutputs`,
+# tool parameters and tool-call arguments all use these; past one, a 400 or a ValueError names it).
+# Nesting deeper than MAX_JSON_DEPTH (arrays and objects, the outermost counting 1) is refused wherever
+# JSON comes from a caller: a request body, a JSON schema, an assistant's tool-call arguments. A schema
+# 32 objects deep (64 JSON levels) compiles in ~10 ms; 500 deep took 25 s.
+MAX_JSON_DEPTH = 64
+# A JSON schema, regex, grammar or structural tag longer than this (its JSON text, or the string) is
+# refused before it is compiled: a 10,000-value enum (139 KB) compiles to 28 MiB in 0.4 s.
+MAX_GRAMMAR_BYTES = 256 << 10
+# Compiled grammars an engine keeps for reuse, by their size (least recently used evicted first).
+DEFAULT_GRAMMAR_CACHE_BYTES = 512 << 20
+# A grammar that takes longer than this to compile is refused (ValueError / 400 naming the limit).
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT_SECONDS = 10.0
+# A step's grammar masks for one request may take this long; a request whose masks take longer is
+# ended with finish_reason "error" naming the limit, so it cannot slow the requests batched with it.
+DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS = 0.02
+
 
 
 @dataclass(frozen=True)

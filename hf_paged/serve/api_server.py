@@ -45,7 +45,7 @@ from ..sampling_params import SamplingParams
 from ..worker.cpu_caches import bound_cpu_kernel_caches
 from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
 from .openapi import openapi_document
-from . import tools
+from . import tool_calls, tools
 from .prometheus import EngineCollector
 
 try:  # FastAPI resolves the endpoints' annotations in this module's globals
@@ -140,6 +140,10 @@ class Server:
         self.max_waiting = max_waiting
         self.in_flight = 0
         self.vocab_size = engine.vocab_size
+        self.tool_format = tool_calls.format_for_template(getattr(tokenizer, "chat_template", None))
+        special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+        # A format whose markers are special tokens needs them in the text, to read the calls back.
+        self._keep_special_for_tools = any(m in special for m in self.tool_format.markers)
         self.counts = {"ok": 0, "client_errors": 0, "server_errors": 0, "rejected_busy": 0, "aborted": 0}
         self._parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_paged-parse")
         self._large_bodies = asyncio.Semaphore(MAX_LARGE_BODIES)
@@ -233,7 +237,7 @@ class Server:
             if parsed.stream:
                 handed_over = True
                 return _GuardedStream(self._stream(parsed, prompt_ids, pending, rid),
-                                      on_close=lambda: self._close_stream(pending))
+                                      on_close=lambda: self._close_stream(pending), headers=_warnings(parsed))
             output = await pending.result()
         except APIError as exc:
             return self._client_error(exc)
@@ -252,7 +256,8 @@ class Server:
                                   type="invalid_request_error" if status == 400 else "server_error").body(), status)
         self.counts["ok"] += 1
         # Off the loop: with logprobs, the answer decodes up to n x max_tokens x (1 + top_logprobs) tokens.
-        return _json(await asyncio.to_thread(self._response, parsed, rid, prompt_ids, output))
+        return _json(await asyncio.to_thread(self._response, parsed, rid, prompt_ids, output),
+                     headers=_warnings(parsed))
 
     def _client_error(self, exc: APIError):
         self.counts["client_errors"] += 1
@@ -271,7 +276,7 @@ class Server:
         return b"".join(chunks)
 
     def _parse(self, kind: str, raw: bytes) -> Parsed:
-        return parse(kind, decode_body(raw), [self.model_name], self.limits, self.vocab_size)
+        return parse(kind, decode_body(raw), [self.model_name], self.limits, self.vocab_size, self.tool_format)
 
     def _prompt(self, p: Parsed) -> tuple[list[int], dict | None]:
         """The prompt's token ids and its image inputs (None without images), on a worker thread:
@@ -347,7 +352,8 @@ class Server:
             params = SamplingParams(max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, n=p.n,
                                     stop=p.stop or None, seed=p.seed, logprobs=p.logprobs,
                                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                    logit_bias=p.logit_bias or None, structured=p.structured)
+                                    logit_bias=p.logit_bias or None, structured=p.structured,
+                                    skip_special_tokens=not (self._keep_special_for_tools and p.tool_choice != "none"))
             params.validate(self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
@@ -368,7 +374,7 @@ class Server:
                 logprobs = self._chat_logprobs(sample.logprobs) if p.kind == "chat" else \
                     self._completion_logprobs(sample.logprobs)
             if p.kind == "chat":
-                message, reason = tools.answer(sample.text or "", reason, p.tool_choice)
+                message, reason = tools.answer(sample.text or "", reason, p.tool_choice, p.tool_format)
                 choice = {"index": i, "message": {"role": "assistant", **message}, "logprobs": logprobs,
                           "finish_reason": reason}
             else:
@@ -409,8 +415,8 @@ class Server:
         `on_close` aborts the request."""
         created, obj = int(time.time()), "chat.completion.chunk" if p.kind == "chat" else "text_completion"
         counts, offsets = [0] * p.n, [0] * p.n
-        calling = p.kind == "chat" and p.tool_choice != "none"  # tool calls are parsed from the whole text
-        held = [""] * p.n
+        calling = p.kind == "chat" and p.tool_choice != "none"
+        parsers = [tool_calls.ToolCallParser(p.tool_format) for _ in range(p.n)] if calling else []
         try:
             if p.kind == "chat":
                 for i in range(p.n):
@@ -432,19 +438,22 @@ class Server:
                     else:
                         logprobs = self._completion_logprobs([event.logprobs], offsets[i])
                         offsets[i] += sum(len(t) for t in logprobs["tokens"])
-                choice = {"index": i, "finish_reason": reason, "logprobs": logprobs}
                 if calling:
-                    held[i] += text
-                    if reason is None and logprobs is None:
-                        continue
-                    delta = {}
-                    if reason is not None:
-                        message, choice["finish_reason"] = tools.answer(held[i], reason, p.tool_choice)
-                        delta = {k: v for k, v in message.items() if v}
-                        if "tool_calls" in delta:
-                            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(delta["tool_calls"])]
-                    choice["delta"] = delta
-                elif p.kind == "chat":
+                    # Calls as OpenAI streams them: the name (with the call's id) once it is whole, then
+                    # the arguments as they are generated; text that may open a call waits until decided.
+                    deltas = parsers[i].feed(text) + (parsers[i].finish() if reason is not None else [])
+                    if reason == "stop" and parsers[i].calls:
+                        reason = "tool_calls"
+                    if not deltas and (reason is not None or logprobs is not None):
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
+                                    "choices": [{"index": i, "delta": delta, "logprobs": logprobs if last else None,
+                                                 "finish_reason": reason if last else None}]})
+                    continue
+                choice = {"index": i, "finish_reason": reason, "logprobs": logprobs}
+                if p.kind == "chat":
                     choice["delta"] = {"content": text} if text or reason is None else {}
                 else:
                     choice["text"] = text
@@ -503,8 +512,8 @@ if StreamingResponse is not None:
         """An SSE response whose `on_close` runs however the response ends, even if the client left
         before its first byte (a generator that never started would never run its `finally`)."""
 
-        def __init__(self, content, on_close):
-            super().__init__(content, media_type="text/event-stream")
+        def __init__(self, content, on_close, headers: dict | None = None):
+            super().__init__(content, media_type="text/event-stream", headers=headers)
             self._on_close = on_close
 
         async def __call__(self, scope, receive, send):
@@ -512,6 +521,15 @@ if StreamingResponse is not None:
                 await super().__call__(scope, receive, send)
             finally:
                 await self._on_close()
+
+
+def _warnings(p: Parsed) -> dict | None:
+    """A `Warning` header (RFC 9111's 299, "miscellaneous persistent warning") for each schema that was
+    held only as far as the grammar backend can; ASCII, as headers must be."""
+    if not p.warnings:
+        return None
+    text = "; ".join(p.warnings).encode("ascii", "backslashreplace").decode()[:2000].replace('"', "'")
+    return {"Warning": f'299 hf_paged "{text}"'}
 
 
 def _finish_reason(reason: str | None) -> str | None:

@@ -14,9 +14,9 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
-from ..structured_outputs import StructuredOutputs
+from ..structured_outputs import StructuredOutputs, load_json
 from ..text import refuse_lone_surrogates
-from . import tools
+from . import tool_calls, tools
 from .api_error import APIError
 
 
@@ -80,6 +80,8 @@ class Parsed:
     structured: StructuredOutputs | None = None  # from `response_format` or `tools` (`tools.py`)
     tools: list[dict] | None = None
     tool_choice: str | dict = "none"  # "none", "auto", "required" or {"name": ...}
+    tool_format: tool_calls.ToolCallFormat = tool_calls.HERMES  # how the model writes a call
+    warnings: list[str] = field(default_factory=list)  # schema keywords held only as far as the backend can
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "presence_penalty",
@@ -99,8 +101,8 @@ def decode_body(raw: bytes):
     """The JSON value of a request body.
 
     Raises:
-        APIError: 400 for invalid UTF-8, invalid JSON (too deep, a number literal longer than Python
-            converts), or a string or key holding a lone surrogate (not Unicode text: it cannot be
+        APIError: 400 for invalid UTF-8, invalid JSON (a number literal longer than Python converts),
+            nesting deeper than `config.MAX_JSON_DEPTH`, or a string or key holding a lone surrogate (not Unicode text: it cannot be
             tokenised, nor even written back in an error message).
     """
     try:
@@ -108,9 +110,9 @@ def decode_body(raw: bytes):
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not valid UTF-8") from None
     try:
-        body = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; so is a 5,000-digit int
-        raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+        body = load_json(text, "the request body")  # a ValueError for invalid JSON or nesting too deep
+    except ValueError as exc:  # JSONDecodeError is a ValueError; so is a 5,000-digit int
+        raise APIError(400, str(exc)[:300]) from None
     if _SURROGATE_ESCAPE.search(text):
         try:
             refuse_lone_surrogates(body, "body")
@@ -119,8 +121,10 @@ def decode_body(raw: bytes):
     return body
 
 
-def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -> Parsed:
-    """Check an OpenAI `completions` (kind "completion") or `chat/completions` ("chat") body."""
+def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int,
+          tool_format: tool_calls.ToolCallFormat = tool_calls.HERMES) -> Parsed:
+    """Check an OpenAI `completions` (kind "completion") or `chat/completions` ("chat") body;
+    `tool_format`: how the served model writes tool calls (`tool_calls.format_for_template`)."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_json_type(body)}")
     allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
@@ -133,7 +137,7 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -
     if model not in models:
         raise APIError(404, f"the model {model!r} does not exist (this server serves {models})", param="model",
                        code="model_not_found")
-    p = Parsed(kind=kind, model=model)
+    p = Parsed(kind=kind, model=model, tool_format=tool_format)
     key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
     p.max_tokens = _int(body, key, min(limits.default_max_tokens, limits.max_tokens), 1, limits.max_tokens)
     p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
@@ -173,17 +177,21 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int) -
 
 def _structured(p: Parsed, body: dict) -> None:
     """`response_format`, `tools` and `tool_choice` as the request's constraint (`tools.py`)."""
-    p.structured = tools.response_format(body.get("response_format"))
+    p.structured = tools.response_format(body.get("response_format"), p.warnings)
     if p.kind != "chat":
         return
-    p.tools = tools.tools(body.get("tools"))
+    p.tools = tools.tools(body.get("tools"), p.warnings)
     p.tool_choice = tools.tool_choice(body.get("tool_choice"), p.tools)
     parallel = _bool(body, "parallel_tool_calls", True)
     if p.tools is not None and p.tool_choice != "none":
         if p.structured is not None:
             raise APIError(400, "'response_format' cannot be combined with 'tools' (unless 'tool_choice' is "
                                 "'none')", param="response_format")
-        p.structured = tools.tool_constraint(p.tools, p.tool_choice, parallel)
+        p.structured = tool_calls.constraint(p.tool_format, p.tools, p.tool_choice, parallel)
+        try:
+            p.structured.validate()  # the size limit of what will be compiled
+        except (ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param="tools") from None
 
 
 def _json_type(value) -> str:
@@ -313,6 +321,7 @@ def _messages(value) -> list[dict]:
             else:
                 content = parts
         out.append({"role": m["role"], "content": content, **extra})
+    tools.check_tool_answers(out)
     return out
 
 

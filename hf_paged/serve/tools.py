@@ -5,32 +5,53 @@ token that would break them:
 
 * `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}` (any JSON object), or
   `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` (a value valid against it).
-* `tools` with `tool_choice`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-  (the Hermes / Qwen form), the arguments held to the function's `parameters` schema by an xgrammar
-  structural tag. `"auto"` lets the model write text or calls, `"required"` makes it call at least one
-  tool, `{"type": "function", "function": {"name": ...}}` makes it call that one, `"none"` leaves the
-  output free (and unparsed). The answer's `tool_calls` are parsed back out of the text.
+* `tools` with `tool_choice`: each call is written in the model's own form (`tool_calls.py`: Hermes /
+  Qwen `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`), the arguments held to the function's
+  `parameters` schema by an xgrammar structural tag. `"auto"` lets the model write text or calls,
+  `"required"` makes it call at least one tool, `{"type": "function", "function": {"name": ...}}` makes
+  it call that one, `"none"` leaves the output free (and unparsed); `parallel_tool_calls: false` allows
+  one call at most under each of them. The answer's `tool_calls` are read back along the same
+  structure (`tool_calls.ToolCallParser`), streamed as OpenAI streams them.
+
+`strict: true` (on a `json_schema` response format or a function) means enforced: a schema with a
+keyword the grammar backend cannot enforce is a 400 that lists them. Without it the schema is held as
+far as the backend can, and the response says which keywords were not enforced (a `Warning` header).
 
 The model's chat template renders the tools. A template that does not take `tools` gets them as a
-system message in the same Hermes form (`tools_system_prompt`).
+system message in the Hermes form (`tools_system_prompt`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 
-from ..structured_outputs import StructuredOutputs
+from ..structured_outputs import StructuredOutputs, check_refs, load_json, unenforced_keywords
+from . import tool_calls
 from .api_error import APIError
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_CHOICES = ("none", "auto", "required")
 
 
-def response_format(value) -> StructuredOutputs | None:
-    """The constraint of a `response_format` (None: free text). APIError 400 names what is wrong."""
+def _checked_schema(schema: dict, strict: bool, where: str, warnings: list[str]) -> None:
+    """A caller's JSON schema: a remote `$ref` is a 400; keywords the grammar cannot enforce are a 400
+    when `strict`, else a warning in `warnings`."""
+    try:
+        check_refs(schema, where)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=where) from None
+    unenforced = unenforced_keywords(schema)
+    if unenforced and strict:
+        raise APIError(400, f"{where} is strict, but the grammar backend cannot enforce {', '.join(unenforced)}; "
+                            "drop them or set 'strict': false (best effort)", param=where)
+    if unenforced:
+        warnings.append(f"{where}: not enforced: {', '.join(unenforced)}")
+
+
+def response_format(value, warnings: list[str] | None = None) -> StructuredOutputs | None:
+    """The constraint of a `response_format` (None: free text). APIError 400 names what is wrong; the
+    keywords a non-strict schema uses that are not enforced are added to `warnings`."""
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
@@ -60,12 +81,19 @@ def response_format(value) -> StructuredOutputs | None:
     if "strict" in spec and not isinstance(spec["strict"], (bool, type(None))):
         raise APIError(400, "'response_format.json_schema.strict' must be a boolean",
                        param="response_format.json_schema.strict")
-    return StructuredOutputs(json=schema)  # strict or not, the output is held to the schema
+    strict = bool(spec.get("strict"))
+    _checked_schema(schema, strict, "response_format.json_schema.schema", warnings if warnings is not None else [])
+    out = StructuredOutputs(json=schema, strict=strict)
+    try:
+        out.validate()  # its size and depth limits
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc), param="response_format.json_schema.schema") from None
+    return out
 
 
-def tools(value) -> list[dict] | None:
+def tools(value, warnings: list[str] | None = None) -> list[dict] | None:
     """The request's `tools`, checked: each `{"type": "function", "function": {"name", "description",
-    "parameters", "strict"}}`."""
+    "parameters", "strict"}}`, its `parameters` a JSON Schema of an object (the arguments)."""
     if value is None:
         return None
     if not isinstance(value, list) or not value:
@@ -89,9 +117,15 @@ def tools(value) -> list[dict] | None:
         if "description" in fn and not isinstance(fn["description"], str):
             raise APIError(400, f"{where}.function.description must be a string", param=f"{where}.function.description")
         parameters = fn.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise APIError(400, f"{where}.function.parameters must be a JSON Schema object",
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise APIError(400, f"{where}.function.parameters must be the JSON Schema of an object (its "
+                                "'type' is 'object'): a call's arguments are a JSON object",
                            param=f"{where}.function.parameters")
+        parameters = {"type": "object", **parameters}
+        if "strict" in fn and not isinstance(fn["strict"], (bool, type(None))):
+            raise APIError(400, f"{where}.function.strict must be a boolean", param=f"{where}.function.strict")
+        _checked_schema(parameters, bool(fn.get("strict")), f"{where}.function.parameters",
+                        warnings if warnings is not None else [])
         out.append({"type": "function", "function": {**{k: fn[k] for k in ("name", "description") if k in fn},
                                                      "parameters": parameters}})
     return out
@@ -107,25 +141,14 @@ def tool_choice(value, given: list[dict] | None):
         return value
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
         name = value["function"].get("name")
+        if not isinstance(name, str):
+            raise APIError(400, "'tool_choice.function.name' must be a string", param="tool_choice.function.name")
         if name in {t["function"]["name"] for t in given}:
             return {"name": name}
-        raise APIError(400, f"'tool_choice' names the function {name!r}, which is not in 'tools'", param="tool_choice")
+        raise APIError(400, f"'tool_choice' names the function {name[:80]!r}, which is not in 'tools'",
+                       param="tool_choice")
     raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                         "{'name': ...}}", param="tool_choice")
-
-
-def tool_constraint(given: list[dict], choice, parallel: bool) -> StructuredOutputs | None:
-    """The structural tag that holds the output to the tools' call form (None for "none")."""
-    if choice == "none":
-        return None
-    chosen = [t for t in given if not isinstance(choice, dict) or t["function"]["name"] == choice["name"]]
-    tags = [{"type": "tag", "begin": f'<tool_call>{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
-             "content": {"type": "json_schema", "json_schema": t["function"]["parameters"]},
-             "end": "}</tool_call>"} for t in chosen]
-    forced = choice != "auto"
-    return StructuredOutputs(structural_tag={"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
-        "at_least_one": forced, "stop_after_first": forced and not parallel}})
 
 
 def message_fields(message: dict, where: str) -> dict:
@@ -150,16 +173,33 @@ def message_fields(message: dict, where: str) -> dict:
         args = None
         if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
             try:
-                args = json.loads(fn["arguments"])
-            except ValueError:
+                args = load_json(fn["arguments"], f"{where}.tool_calls[{j}].function.arguments")
+            except ValueError as exc:
+                if "nested deeper" in str(exc):
+                    raise APIError(400, str(exc), param=f"{where}.tool_calls[{j}].function.arguments") from None
                 args = None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict):
-            raise APIError(400, f"{where}.tool_calls[{j}] must be {{'id', 'type': 'function', 'function': "
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(args, dict) \
+                or not isinstance(call.get("id"), str) or not call["id"] or call.get("type", "function") != "function":
+            raise APIError(400, f"{where}.tool_calls[{j}] must be {{'id': <string>, 'type': 'function', 'function': "
                                 "{'name', 'arguments': <a JSON object as a string>}}", param=f"{where}.tool_calls[{j}]")
-        checked.append({"id": str(call.get("id", "")), "type": "function",
-                        "function": {"name": fn["name"], "arguments": args}})
+        checked.append({"id": call["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
     out["tool_calls"] = checked
     return out
+
+
+def check_tool_answers(messages: list[dict]) -> None:
+    """Each tool message answers a call an earlier assistant message made, once (OpenAI's rule: a
+    'tool' message must respond to a preceding message with 'tool_calls')."""
+    open_calls: set[str] = set()
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            open_calls = {c["id"] for c in m.get("tool_calls", ())}
+        elif m["role"] == "tool":
+            if m["tool_call_id"] not in open_calls:
+                raise APIError(400, f"messages[{i}] answers tool_call_id {m['tool_call_id'][:80]!r}, which no "
+                                    "preceding assistant message's 'tool_calls' holds (or that was answered already)",
+                               param=f"messages[{i}].tool_call_id")
+            open_calls.discard(m["tool_call_id"])
 
 
 def plain_messages(messages: list[dict]) -> list[dict]:
@@ -170,8 +210,8 @@ def plain_messages(messages: list[dict]) -> list[dict]:
         m = dict(m)
         calls = m.pop("tool_calls", None)
         if calls:
-            text = "".join("<tool_call>" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                                      ensure_ascii=False) + "</tool_call>" for c in calls)
+            text = "".join("<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                                        ensure_ascii=False) + "\n</tool_call>" for c in calls)
             m["content"] = (m["content"] + "\n" if m["content"] else "") + text
         if m.pop("tool_call_id", None) is not None or m["role"] == "tool":
             m = {"role": "user", "content": f"<tool_response>\n{m['content']}\n</tool_response>"}
@@ -189,12 +229,12 @@ def template_inputs(messages: list[dict], given: list[dict] | None, template) ->
     return (with_tools(messages, given) if given else messages), {}
 
 
-def answer(text: str, reason: str | None, choice) -> tuple[dict, str | None]:
+def answer(text: str, reason: str | None, choice, fmt: tool_calls.ToolCallFormat) -> tuple[dict, str | None]:
     """An answer's chat `message` fields (content, and `tool_calls` when the model called tools under
     `choice`), and its finish reason ("tool_calls" for one that ended by calling)."""
     if choice == "none":
         return {"content": text}, reason
-    content, calls = split_tool_calls(text)
+    content, calls = tool_calls.split(text, fmt)
     if not calls:
         return {"content": content}, reason
     return {"content": content, "tool_calls": calls}, ("tool_calls" if reason == "stop" else reason)
@@ -206,7 +246,7 @@ def tools_system_prompt(given: list[dict]) -> str:
     return ("You may call one or more functions to assist with the user query. The functions are listed "
             f"within <tools></tools> XML tags:\n<tools>\n{listed}\n</tools>\n\nFor each function call, return a "
             'JSON object with the function name and arguments within <tool_call></tool_call> XML tags:\n'
-            '<tool_call>{"name": <function-name>, "arguments": <args-json-object>}</tool_call>')
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
 
 
 def with_tools(messages: list[dict], given: list[dict]) -> list[dict]:
@@ -215,22 +255,3 @@ def with_tools(messages: list[dict], given: list[dict]) -> list[dict]:
     if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
         return [{"role": "system", "content": messages[0]["content"] + "\n\n" + prompt}] + messages[1:]
     return [{"role": "system", "content": prompt}] + messages
-
-
-def split_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """The content and OpenAI `tool_calls` of an answer: each well-formed `<tool_call>` block becomes a
-    call (arguments as a JSON string); the text around them is the content (None when empty)."""
-    calls = []
-    for match in _CALL.finditer(text):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
-            continue
-        if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict):
-            calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                          "function": {"name": call["name"], "arguments": json.dumps(call["arguments"],
-                                                                                      ensure_ascii=False)}})
-    if not calls:
-        return text, []
-    content = _CALL.sub("", text).strip()
-    return content or None, calls

@@ -75,10 +75,12 @@ def test_every_kind_of_constraint_holds_on_smollm2_greedy_and_sampled(engine, sm
     prompts = _prompts(tokenizer, ["Describe a person called Ann as JSON.", "Who is Bob? Answer in JSON.",
                                    "Tell me about Carla."])
     cases = {
-        "json": (StructuredOutputs(json=PERSON), _valid_person),
-        "json-compact": (StructuredOutputs(json=PERSON, any_whitespace=False),
+        "json": (StructuredOutputs(json=PERSON, any_whitespace=True), _valid_person),
+        "json-bounded": (StructuredOutputs(json=PERSON),
                          lambda t: (_valid_person(t), " " not in t.replace('"name":"', "").split('"name":"')[0])),
-        "json_object": (StructuredOutputs(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+        # Free-form objects: greedy, SmolLM2 rambles on keys ("family_family_name") on two of these prompts
+        # whatever the whitespace; the third stops with whitespace unbounded, which this covers too.
+        "json_object": (StructuredOutputs(json_object=True, any_whitespace=True), lambda t: isinstance(json.loads(t), dict)),
         "regex": (StructuredOutputs(regex=r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
                   lambda t: re.fullmatch(r"\d{4}-\d{2}-\d{2}", t) or pytest.fail(t)),
         "choice": (StructuredOutputs(choice=["yes", "no", 'it "depends"']),
@@ -89,7 +91,7 @@ def test_every_kind_of_constraint_holds_on_smollm2_greedy_and_sampled(engine, sm
     # Every kind greedy and sampled (n=2), each over the three prompts: one batch of 36 requests.
     runs = []
     for name, (spec, _) in cases.items():
-        # Sampling at temperature 1, a 135M model may spend its budget on whitespace: compact JSON then.
+        # Sampling at temperature 1, a 135M model may spend its budget on whitespace: bounded whitespace then.
         compact = dataclasses.replace(spec, any_whitespace=False)
         for mode, params in (("greedy", SamplingParams(max_new_tokens=96, structured=spec)),
                              ("sampled", SamplingParams(max_new_tokens=96, structured=compact, temperature=1.0,
@@ -106,7 +108,7 @@ def test_every_kind_of_constraint_holds_on_smollm2_greedy_and_sampled(engine, sm
                 stopped[key] += 1
     # Each kind, greedy and sampled, ended at least once (a 135M model may ramble inside a JSON object
     # until max_new_tokens).
-    assert all(count >= 1 for count in stopped.values()), stopped
+    assert all(count >= 1 for count in stopped.values()), {k: v for k, v in stopped.items() if v == 0}
 
 
 @pytest.mark.slow
