@@ -9,11 +9,14 @@ to the event loop with `call_soon_threadsafe`, so coroutines never block on a fo
         print(event.text, end="")
 
 Request set-up (checking, tokenising a string prompt, the detokenizer's stop strings) runs on an
-intake thread, never on the event loop, so one costly request cannot stall the others. A bad
-request raises ValueError/TypeError from `add_request` (or `generate` / `stream`) before anything
-is queued. Cancelling a coroutine (or leaving an `async for` early) aborts its request. After
-`shutdown()`, or once the engine's loop is no longer running, every call raises `EngineClosedError`
-at once, and a request already waiting gets its end (or that error): nothing waits forever.
+intake thread, never on the event loop, so one costly request cannot stall the others. A structured
+request's grammar compiles before that, on the engine's grammar compile threads, and is awaited here
+(at most `grammar_compile_timeout_seconds`): a request waiting for its grammar never holds the intake
+thread, so it never delays one that needs none. A bad request raises ValueError/TypeError from
+`add_request` (or `generate` / `stream`) before anything is queued. Cancelling a coroutine (or leaving
+an `async for` early) aborts its request. After `shutdown()`, or once the engine's loop is no longer
+running, every call raises `EngineClosedError` at once, and a request already waiting gets its end (or
+that error): nothing waits forever.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ class AsyncEngine:
             EngineClosedError: the engine was shut down, or its loop stopped.
         """
         self._check_open()
+        compiled = None
+        if isinstance(sampling_params, SamplingParams) and sampling_params.structured is not None:
+            # Checking it and starting the compile may build the engine's `Grammars` (its tokenizer's
+            # vocabulary): off the event loop too.
+            compiling = await asyncio.to_thread(self.engine.intake.compile_grammar, sampling_params)
+            compiled = await compiling.result_async()
+            self._check_open()  # shut down meanwhile: the intake thread is gone
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -99,7 +109,7 @@ class AsyncEngine:
 
         inbox = Inbox(wants_tokens=stream, on_item=deliver)
         add = functools.partial(self.engine.add_owned_request, prompt, sampling_params, request_id, inbox, 0,
-                                streamed=stream)
+                                streamed=stream, compiled_grammar=compiled)
         future = loop.run_in_executor(self._intake, add)
         try:
             request_id = await asyncio.shield(future)

@@ -34,7 +34,7 @@ from .executor import Executor, ExecutorLostError, ExecutorStep
 from .drafting import Drafter
 from .images import ImageQueue
 from .lockstep import Lockstep
-from .metrics import EngineMetrics, RequestMetrics
+from .metrics import EngineMetrics, RequestMetrics, kv_cache_usage
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, StreamEvent
 from .tracked import RequestGroup, TrackedRequest
@@ -50,6 +50,22 @@ _FATAL = (UnsupportedModelError, ExecutorLostError)  # a step failing so fails e
 
 class RequestError(ValueError):
     """A failure that belongs to one request and will not go away on a retry (NaN logits)."""
+
+
+class InvalidDistributionError(RequestError, RuntimeError):
+    """A sampling request's processed scores leave no token to draw: every one -inf, or a NaN among
+    them (its logits processors made them so). A RuntimeError too, as stock's `torch.multinomial`
+    raises there; the drop-in `generate` raises it."""
+
+
+def _check_sampleable(request_id: str, is_invalid: list[bool] | None, num_rows: int) -> None:
+    """Raise `InvalidDistributionError` if any of a request's first `num_rows` sampled rows (the ones its
+    committed tokens come from; `SamplerOutput.is_invalid`) had no token to draw."""
+    if is_invalid is not None and any(is_invalid[:num_rows]):
+        raise InvalidDistributionError(
+            f"request {request_id!r} has no token to sample: its processed scores are all -inf or hold a NaN "
+            "(stock's sampling raises too: the probability tensor contains inf, nan or an element < 0); check "
+            "its logits processors")
 
 
 def _take_prefix(kv: KVOwner, request: Request, prefix: KVSequence) -> None:
@@ -304,9 +320,10 @@ class EngineCore:
                 break
         kept, reason, deltas = self.outputs.cut(tracked, kept, reason)
         grammar = tracked.state.grammar
-        if grammar is not None and not grammar.accept(kept):  # all or none: a rejection changes nothing
-            raise RequestError(f"request {tracked.public_id!r} drew tokens {kept} that its structured outputs "
-                               "constraint does not allow (its mask left no allowed token?)")
+        if grammar is not None and (grammar.error is not None or not grammar.accept(kept)):  # all or none
+            raise RequestError(grammar.error or f"request {tracked.public_id!r} drew tokens {kept} that its "
+                               "structured outputs constraint does not allow (its mask left no allowed token?)")
+        _check_sampleable(tracked.public_id, out.is_invalid, len(tokens))
         # Committed from here on: nothing below raises for a well-formed request.
         for _ in kept:
             tracked.metrics.on_token(now)
@@ -447,7 +464,7 @@ class EngineCore:
         m = self.metrics
         m.num_requests_running = len(self.scheduler.running)
         m.num_requests_waiting = len(self.scheduler.waiting)
-        m.kv_cache_usage_perc = self.kv.num_used_blocks / max(self.kv.num_blocks, 1)
+        m.kv_cache_usage_perc = kv_cache_usage(self.kv.num_blocks, self.kv.num_free_blocks)
 
     # ------------------------------------------------------------------ failures
     def _roll_back(self, tracked: TrackedRequest, entry: ScheduledRequest, exc: Exception) -> None:

@@ -31,7 +31,8 @@ from dataclasses import replace
 import torch
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..config import EngineConfig, PagedCacheConfig
+from ..config import (DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_SECONDS,
+                      DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS, EngineConfig, PagedCacheConfig)
 from ..core import KVSequence, Scheduler
 from ..hf import PagedCache, check_attention_routed, check_model_supported, invalidate, weights_fingerprint
 from ..hf.rope import default_max_model_len
@@ -103,6 +104,10 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         cuda_graph_max_seqlens: the max_seqlen_k buckets (default 256, 512, ... and the longest sequence
             the pool and `max_model_len` allow); a step whose longest sequence exceeds the largest runs
             eagerly.
+        grammar_cache_bytes, grammar_compile_timeout_seconds, grammar_mask_budget_seconds: structured
+            outputs' limits (`config.DEFAULT_GRAMMAR_*`; `structured.grammar.Grammars`): compiled grammars
+            kept (bytes); how long a request waits for its grammar to compile; how long a request's
+            token masks may take per step, or it ends with an error. A time of None: no limit.
     """
 
     def __init__(
@@ -132,6 +137,9 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         cuda_graphs: bool | None = EngineConfig.cuda_graphs,
         cuda_graph_batch_sizes: SequenceABC[int] | None = EngineConfig.cuda_graph_batch_sizes,
         cuda_graph_max_seqlens: SequenceABC[int] | None = EngineConfig.cuda_graph_max_seqlens,
+        grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+        grammar_compile_timeout_seconds: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_SECONDS,
+        grammar_mask_budget_seconds: float | None = DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS,
     ):
         check_model_supported(model.config)
         check_attention_routed(model)  # every decoder layer calls the "hf_paged" function with the step
@@ -190,7 +198,9 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         self._metrics = self.core.metrics
         self.intake = Intake(self.core, kv, self.outputs, tokenizer, self.tokenizer_lock, self.vocab_size,
                              runner.image_support, logits_width=getattr(text, "vocab_size", None),
-                             length_rope=runner.length_rope)
+                             length_rope=runner.length_rope, grammar_cache_bytes=grammar_cache_bytes,
+                             grammar_compile_timeout_seconds=grammar_compile_timeout_seconds,
+                             grammar_mask_budget_seconds=grammar_mask_budget_seconds)
         # Threads: `_lock` guards all engine state and is held for a whole step, so nothing changes
         # under a running forward. Other threads hand work to a running loop through `_inbox`.
         self._lock = threading.RLock()
@@ -233,7 +243,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
     def add_owned_request(self, prompt, sampling_params: SamplingParams | None, request_id: str | None,
                           inbox: Inbox | None, index: int = 0, streamed: bool = False,
                           kv_prefix: KVSequence | None = None, retain_kv: bool = False,
-                          resume_tokens: SequenceABC[int] = ()) -> str:
+                          resume_tokens: SequenceABC[int] = (), compiled_grammar=None) -> str:
         """`add_request` for a front that collects outputs itself (`generate`, `stream`, handles,
         `AsyncEngine`): every token (and the end) of the request is put in `inbox`, whoever steps.
 
@@ -248,10 +258,11 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
                 prefill): the request continues after them exactly as if it had generated them itself
                 (penalties, positions, `max_new_tokens`, text), and returns them as its first output
                 tokens. Their logprobs are not known here. Needs n = 1.
+            compiled_grammar: the request's `structured` constraint, compiled (`intake.compile_grammar`).
         """
         self._check_open()
         tracked = self.intake.track(prompt, sampling_params, request_id, inbox, index, streamed, kv_prefix,
-                                    retain_kv, resume_tokens)
+                                    retain_kv, resume_tokens, compiled_grammar)
         self._post(("add", tracked))
         return tracked.public_id
 

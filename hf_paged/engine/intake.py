@@ -2,7 +2,9 @@
 ValueError / TypeError that names what is wrong (nothing is queued then).
 
 Runs on the caller's thread; it takes only the tokenizer's lock and the core's registry lock, never
-the engine's step lock, so a submitter never waits for a running step.
+the engine's step lock, so a submitter never waits for a running step. A structured request's grammar
+compiles on the grammar compile threads (`structured.grammar.Grammars`), within a time limit: a front
+may compile it first (`compile_grammar`) and hand it to `track`, so that no intake thread waits for it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import threading
 import time
 from collections.abc import Sequence as SequenceABC
 
+from ..config import (DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_SECONDS,
+                      DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS)
 from ..core import KVSequence, LengthRope, Request
 from ..hf import KVOwner
 from ..hf.multimodal import ImageSupport
@@ -25,11 +29,24 @@ from .tracked import RequestGroup, TrackedRequest
 
 
 class Intake:
-    """Checks and registers the engine's new requests (see `Engine.add_owned_request`)."""
+    """Checks and registers the engine's new requests (see `Engine.add_owned_request`; the grammar
+    limits are `Engine`'s arguments of the same names)."""
 
     def __init__(self, core: EngineCore, kv: KVOwner, outputs: OutputProcessor, tokenizer,
                  tokenizer_lock: threading.Lock, vocab_size: int, images: ImageSupport | None = None,
-                 logits_width: int | None = None, length_rope: LengthRope | None = None):
+                 logits_width: int | None = None, length_rope: LengthRope | None = None, *,
+                 grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+                 grammar_compile_timeout_seconds: float | None = DEFAULT_GRAMMAR_COMPILE_TIMEOUT_SECONDS,
+                 grammar_mask_budget_seconds: float | None = DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS):
+        if isinstance(grammar_cache_bytes, bool) or not isinstance(grammar_cache_bytes, int) or grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes must be an integer >= 0, got {grammar_cache_bytes!r}")
+        for name, value in (("grammar_compile_timeout_seconds", grammar_compile_timeout_seconds),
+                            ("grammar_mask_budget_seconds", grammar_mask_budget_seconds)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {value!r}")
+        self.grammar_limits = dict(cache_bytes=grammar_cache_bytes,
+                                   compile_timeout_seconds=grammar_compile_timeout_seconds,
+                                   mask_budget_seconds=grammar_mask_budget_seconds)
         self.core = core
         self.kv = kv
         self.outputs = outputs
@@ -44,7 +61,7 @@ class Intake:
 
     def track(self, prompt, sampling_params: SamplingParams | None, request_id: str | None, inbox: Inbox | None,
               index: int, streamed: bool, kv_prefix: KVSequence | None, retain_kv: bool,
-              resume_tokens: SequenceABC[int]) -> TrackedRequest:
+              resume_tokens: SequenceABC[int], compiled_grammar=None) -> TrackedRequest:
         """A registered request, ready to be queued; see `Engine.add_owned_request` for the arguments."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -85,7 +102,7 @@ class Intake:
                 f"KV blocks of {self.kv.block_size}, but the pool has only {self.kv.num_blocks}; "
                 "shorten the prompt or max_new_tokens, or enlarge the pool"
             )
-        grammar = self._grammar(params)
+        grammar = self._grammar(params, compiled_grammar)
         detok = self.outputs.new_detokenizer(prompt_ids, params, streamed)
         if detok is not None:
             # Their text comes out with this engine's first event, so that the streamed deltas join
@@ -115,18 +132,37 @@ class Intake:
             core.register(tracked)
         return tracked
 
-    def _grammar(self, params: SamplingParams):
-        """A fresh matcher of the request's `structured` constraint (compiled once per distinct one), or
-        None. Raises ValueError when it does not compile, ImportError naming the extra without xgrammar."""
+    def compile_grammar(self, params: SamplingParams | None):
+        """Start compiling the request's `structured` constraint (`Grammars.submit`): a
+        `structured.grammar.Compiling` to wait for, whose grammar `track` then takes; None without one.
+
+        Raises:
+            ValueError/TypeError: malformed params; a constraint refused at once (it ran past the time
+                limit before, or too many compiles are queued); no tokenizer.
+            ImportError: naming the extra, without xgrammar.
+        """
+        if not isinstance(params, SamplingParams) or params.structured is None:
+            return None
+        params.validate(self.vocab_size)
+        return self._grammars().submit(params.structured)
+
+    def _grammar(self, params: SamplingParams, compiled=None):
+        """A fresh matcher of the request's `structured` constraint (its `compiled` grammar, or compiled
+        here: once per distinct one, waiting at most the time limit), or None. Raises ValueError when it
+        does not compile (in time), ImportError naming the extra without xgrammar."""
         if params.structured is None:
             return None
+        return self._grammars().state(params.structured, compiled)
+
+    def _grammars(self):
         if self.tokenizer is None:
             raise ValueError("structured outputs need a tokenizer: pass tokenizer= to the Engine")
         with self._grammars_lock:
             if self.grammars is None:
                 from ..structured.grammar import Grammars  # the `structured` extra
-                self.grammars = Grammars(self.tokenizer, self.logits_width, self.core.eos_token_ids)
-        return self.grammars.state(params.structured)
+                self.grammars = Grammars(self.tokenizer, self.logits_width, self.core.eos_token_ids,
+                                         **self.grammar_limits)
+        return self.grammars
 
     def _split_prompt(self, prompt) -> tuple:
         """(text or ids, [ImageItem]) of a prompt: a dict `{"prompt" or "prompt_token_ids", "multi_modal_data"}`

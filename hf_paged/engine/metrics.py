@@ -18,6 +18,13 @@ from ..spec_decode.verify import expected_tokens_per_forward
 METRICS_WINDOW = 10_000  # latest observations each latency histogram summarises
 
 
+def kv_cache_usage(num_blocks: int, num_free_blocks: int) -> float:
+    """`vllm:kv_cache_usage_perc`, in [0, 1]: the share of `num_blocks` in use. `num_free_blocks` counts
+    once each block a new request could take, free or only prefix-cached (`BlockPool.num_free_blocks`,
+    what a worker reports as its `free_blocks`); one engine's pool, or several summed."""
+    return (num_blocks - num_free_blocks) / num_blocks if num_blocks > 0 else 0.0
+
+
 def _window() -> deque:
     return deque(maxlen=METRICS_WINDOW)
 

@@ -22,9 +22,11 @@ added, a penalty divided by, the temperature) clamps +inf to FP32_MAX right wher
 touched entries for the processors, on the divided rows for the temperature). In range nothing changes,
 so the values stay transformers' own; out of range the overflowing tokens tie at the top (greedy takes
 the first, sampling draws among them), where stock's softmax would turn the infinities into NaN. -inf
-stays: it means "dropped".
+stays: it means "dropped". A caller's batch processor may return NaN, which stays too, as in stock:
+greedy takes it (argmax), and a sampling row whose scores leave no token to draw (every one -inf, or a
+NaN among them, where stock's `torch.multinomial` raises) is flagged (`SamplerOutput.is_invalid`).
 
-The host waits for the device once per call, to read the tokens (with each row's NaN flag when asked):
+The host waits for the device once per call, to read the tokens (with each row's flags):
 per-row values go to the device through asynchronous copies (`host_to_device`), every token lands in
 one device tensor, and nothing else is read back, except where the result itself is host data
 (logprobs) or a rule needs a value to decide (a tie at the k-th value of top-k, whether the most
@@ -35,7 +37,6 @@ Owns the maths from logits to tokens; it knows nothing of blocks, caches or sche
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -117,18 +118,24 @@ class SamplerOutput:
     """Per row: the token, and what its request asked for (None where it did not).
 
     `is_nan` (when the call checked): whether the row's raw logits held a NaN; its token is then
-    meaningless (drawn from garbage, but a valid id) and the caller must not commit it."""
+    meaningless (drawn from garbage, but a valid id) and the caller must not commit it.
+    `is_invalid` (when the call sampled any row): whether a sampling row's processed scores leave no
+    token to draw (every one -inf, or a NaN among them: stock's `torch.multinomial` raises there); its
+    token is as meaningless. Greedy rows are never flagged: argmax takes the first NaN, or token 0 of a
+    row all -inf, as stock's does."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     scores: list[torch.Tensor | None]  # [vocab] processed logits (-inf outside the kept tokens)
     logits: list[torch.Tensor | None]  # [vocab] raw logits
     is_nan: list[bool] | None = None
+    is_invalid: list[bool] | None = None
 
     def slice(self, start: int, count: int) -> "SamplerOutput":
         end = start + count
         return SamplerOutput(self.token_ids[start:end], self.logprobs[start:end], self.scores[start:end],
-                             self.logits[start:end], None if self.is_nan is None else self.is_nan[start:end])
+                             self.logits[start:end], None if self.is_nan is None else self.is_nan[start:end],
+                             None if self.is_invalid is None else self.is_invalid[start:end])
 
 
 @dataclass
@@ -196,12 +203,14 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         sampling = [i for i, p in enumerate(params) if not p.is_greedy]
         blocks: list[_Block] = []
+        invalid = None  # [num_rows] bool: sampling rows with no token to draw
         if not sampling:
             token_ids = logits.argmax(dim=-1)  # [num_rows] int64
             if with_outputs and any(params[i].output_scores or _logprobs_in(params[i], "processed") for i in greedy):
                 blocks.append(_Block(greedy, None, logits))
         else:
             token_ids = torch.zeros(num_rows, dtype=torch.long, device=device)
+            invalid = torch.zeros(num_rows, dtype=torch.bool, device=device)
             if greedy:
                 g = logits.index_select(0, _index(greedy, device))
                 token_ids.index_copy_(0, _index(greedy, device), g.argmax(dim=-1))
@@ -209,17 +218,19 @@ class Sampler:
                                         for i in greedy):
                     blocks.append(_Block(greedy, None, g))
             for block in self.warp(logits, rows, sampling):
-                drawn = _draw(block, [rows[i].position for i in block.rows], [rows[i].state.seed for i in block.rows])
+                drawn, empty = _draw(block, [rows[i].position for i in block.rows],
+                                     [rows[i].state.seed for i in block.rows])
                 token_ids.index_copy_(0, _index(block.rows, device), drawn)
+                invalid.index_copy_(0, _index(block.rows, device), empty)
                 if with_outputs:
                     blocks.append(block)
-        # The call's one wait for the device: the tokens, and the NaN flags in the same copy.
-        if nan_rows is None:
-            tokens, is_nan = token_ids.tolist(), None
-        else:
-            tokens, flags = torch.stack((token_ids, nan_rows.long())).tolist()
-            is_nan = [bool(f) for f in flags]
-        out = SamplerOutput(tokens, [None] * num_rows, [None] * num_rows, [None] * num_rows, is_nan)
+        # The call's one wait for the device: the tokens, and the flags in the same copy.
+        flags = [f for f in (nan_rows, invalid) if f is not None]
+        tokens, *read = torch.stack([token_ids, *(f.long() for f in flags)]).tolist()
+        read = iter([bool(v) for v in values] for values in read)
+        is_nan = None if nan_rows is None else next(read)
+        is_invalid = None if invalid is None else next(read)
+        out = SamplerOutput(tokens, [None] * num_rows, [None] * num_rows, [None] * num_rows, is_nan, is_invalid)
         if raw is not None:
             for j, i in enumerate(raw_rows):
                 if params[i].output_logits:
@@ -441,8 +452,10 @@ def _min_p(vals: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return vals.masked_fill(drop, float("-inf"))
 
 
-def _draw(block: _Block, positions: list[int], seeds: list[int]) -> torch.Tensor:  # [r] int64, on the device
-    """Inverse-CDF draw per row at u = uniform(seed, position), over the kept tokens in id order."""
+def _draw(block: _Block, positions: list[int], seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw per row at u = uniform(seed, position), over the kept tokens in id order: the
+    tokens ([r] int64) and whether each row had no token to draw ([r] bool: every value -inf, or a NaN
+    among them, so its probabilities are NaN; its token is then meaningless), both on the device."""
     vals, ids = block.vals, block.ids
     if ids is not None:  # canonical (token id) order, so the draw does not depend on topk's tie order
         vocab_sentinel = torch.iinfo(torch.int64).max
@@ -451,18 +464,20 @@ def _draw(block: _Block, positions: list[int], seeds: list[int]) -> torch.Tensor
         vals = vals.gather(1, order)
     probs = torch.softmax(vals, dim=-1)
     u = host_to_device([uniform(s, p) for s, p in zip(seeds, positions)], torch.float64, vals.device)
-    j = _inverse_cdf(probs, u)
-    return j if ids is None else ids.gather(1, j[:, None])[:, 0]
+    j, total = _inverse_cdf(probs, u)
+    empty = ~(total > 0)  # NaN or no mass: what stock's torch.multinomial refuses
+    return (j if ids is None else ids.gather(1, j[:, None])[:, 0]), empty
 
 
 CDF_CHUNK = 256
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `probs` ([r, K] fp32, rows summing to ~1), the index where the CDF first exceeds
-    u * total (u: [r] fp64 in [0, 1)). Two levels, so that no token's share is lost to fp32 rounding
-    at large K without a float64 pass over the whole row: chunk masses (fp32 sums of CDF_CHUNK
-    tokens, accumulated in fp64) pick the chunk, an fp64 cumsum inside it picks the token.
+    u * total (u: [r] fp64 in [0, 1)), and that total ([r] fp64, NaN for a row holding NaN). Two
+    levels, so that no token's share is lost to fp32 rounding at large K without a float64 pass over
+    the whole row: chunk masses (fp32 sums of CDF_CHUNK tokens, accumulated in fp64) pick the chunk,
+    an fp64 cumsum inside it picks the token.
 
     Branch-free (no wait for the device): the rare fix-ups below are computed for every row and
     selected with `where`, over [r, num_chunks] and [r, CDF_CHUNK] only. A row holding NaN yields
@@ -490,7 +505,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     last_in_row = last_chunk * size + torch.where(tail > 0, cols, -1).amax(dim=-1)
     j = torch.where(j < size, j, last_in_chunk)
     j = torch.where(j >= 0, c * size + j, last_in_row)
-    return j.clamp(0, k - 1)
+    return j.clamp(0, k - 1), mass[:, -1]
 
 
 def _dense(block: _Block, vocab: int) -> torch.Tensor:
@@ -556,7 +571,8 @@ def sample_processed(processed: torch.Tensor, state: SamplingState, extra: tuple
     `extra`): argmax when greedy, else the inverse-CDF draw keyed by (seed, position)."""
     if state.params.is_greedy:
         return int(processed.argmax())
-    return int(_draw(_Block([0], None, processed.float()[None]), [state.position + len(extra)], [state.seed])[0])
+    token, _ = _draw(_Block([0], None, processed.float()[None]), [state.position + len(extra)], [state.seed])
+    return int(token[0])
 
 
 def _apply_batch_processors(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -578,6 +594,5 @@ def _apply_batch_processors(logits: torch.Tensor, rows: list[SampleRow]) -> None
                                  f"got {tuple(out.shape) if torch.is_tensor(out) else type(out).__name__}")
         except Exception as exc:
             raise BatchProcessorError(processor, exc) from exc
-        out = out.to(device=logits.device, dtype=logits.dtype).nan_to_num(nan=-FP32_MAX, posinf=FP32_MAX,
-                                                                            neginf=-math.inf)
-        logits.index_copy_(0, index, out)
+        # +inf ties at the top (the module's rule); NaN and -inf stay, as in stock (see `SamplerOutput`)
+        logits.index_copy_(0, index, out.to(device=logits.device, dtype=logits.dtype).clamp(max=FP32_MAX))
