@@ -74,7 +74,7 @@ class Grammars:
 
     A constraint compiles on one of `MAX_CONCURRENT_COMPILES` compile threads, never on the caller's
     (`submit`; `compile` waits for it). Compiled grammars are kept for reuse up to `cache_bytes`
-    (`CompiledGrammar.memory_size_bytes`), least recently used evicted first; one larger than the whole
+    (`CompiledGrammar.memory_size_bytes` x `MEMORY_OVERHEAD`), least recently used evicted first; one larger than the whole
     budget serves its requests and is not kept.
 
     Args:
