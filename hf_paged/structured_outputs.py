@@ -176,9 +176,10 @@ class StructuredOutputs:
             if not isinstance(value, dict):
                 raise TypeError(f"{what} must be a JSON object (a dict or its text), got {type(value).__name__}")
             check_refs(value, what)
-            if name == "json" and self.strict and unenforced_keywords(value):
+            unenforced = unenforced_keywords(value) if name == "json" and self.strict else []
+            if unenforced:
                 raise ValueError(f"structured outputs' json schema is strict, but the grammar backend cannot "
-                                 f"enforce {', '.join(unenforced_keywords(value))}")
+                                 f"enforce {', '.join(unenforced)}")
         for name in ("regex", "grammar", "lark"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
