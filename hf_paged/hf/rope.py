@@ -27,7 +27,7 @@ import torch
 
 from ..core.rope import LengthRope
 
-# How each rope type's frequencies depend on the sequence: the README's table is made from this.
+# How each rope type's frequencies depend on the sequence: the table in docs/models.md is made from this.
 ROPE_TYPES: dict[str, str] = {
     "default": "position-independent",
     "linear": "position-independent",

@@ -17,9 +17,8 @@ import weakref
 
 import torch
 
+from ..config import SUPPORTED_LAYER_TYPES
 from .rope import check_rope_supported
-
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_model_supported(config) -> None:

@@ -28,131 +28,41 @@ the batch's by each image's placeholder count as transformers splits them (`Engi
 
 The generation config is merged exactly as stock merges it (the model's `generation_config`,
 transformers' defaults such as `top_k=50`, the call's keywords, stock's length rules) and mapped field
-by field (`generation_config.py`). Anything the engine does not reproduce exactly returns None from
-`try_engine_generate`, and `generate` runs stock transformers with a `PagedCache` instead: beam search,
-attentions / hidden-states outputs, a caller's logits processors together with an assistant model, scores or
-images (alone they run in the engine: `logits_processors.py`), a cache passed in (other than a
-`ReturnedCache` whose columns the call extends), `inputs_embeds`, a processor the engine lacks, multi-token `sequence_bias`, settings stock
+by field (`generation_config.py`). Whether the engine serves a call is decided in `routing.py`, which
+`hf_paged.explain` asks too. Anything the engine does not reproduce exactly returns None from
+`try_engine_generate` (the reason logged at INFO once per model), and `generate` runs stock
+transformers with a `PagedCache` instead: beam search, attentions / hidden-states outputs, a caller's
+logits processors together with an assistant model, scores or images (alone they run in the engine:
+`logits_processors.py`), a cache passed in (other than a `ReturnedCache` whose columns the call
+extends), `inputs_embeds`, a processor the engine lacks, multi-token `sequence_bias`, settings stock
 rejects (greedy or assisted `num_return_sequences > 1`: stock raises its own error), and the two cases
-where stock's processors see the left padding as tokens (`_padding_visible_to_processors`). Set
+where stock's processors see the left padding as tokens (`routing.padding_visible_to_processors`). Set
 `model.hf_paged_use_engine = False` to always take that path.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import dataclasses
-import logging
 import threading
-import weakref
-import warnings
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..config import PagedCacheConfig, check_pool_fits
+from ..config import check_pool_fits
 from ..engine import Engine
-from ..engine.tensor_parallel import tensor_parallel_group
 from ..engine.outputs import CompletionOutput
-from ..hf import PagedCache
-from ..hf.multimodal import ImageSupport
-from ..hf.support import has_latent_kv
-from ..transformers_api import stock_penalty_skips_padding
-from .images import expanded_images, image_data_of, image_side_inputs, row_prompts
+from .images import expanded_images
 from .returned_cache import ReturnedCache
-from .logits_processors import StockProcessors, plan_processors, pool_holds_rows
-from .stock_scores import output_vocab_size, stock_processors, stock_rows_after_finish
+from .routing import (EngineCall, log_fallback, padding_visible_to_processors, passed_cache, plan_engine_call,
+                      pool_kwargs)
+from .stock_scores import output_vocab_size, stock_rows_after_finish
 from .shared_prompts import generate_rows
-from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
 
-logger = logging.getLogger(__name__)
+__all__ = ["EngineCall", "build_output", "model_engine", "output_vocab_size", "passed_cache", "plan_engine_call",
+           "pool_kwargs", "release", "try_engine_generate", "widen_engine"]
 
-_MODEL_INPUTS = {"input_ids", "attention_mask"}
-# Keywords stock `generate` accepts and then ignores for a decoder-only model: `labels` (never
-# forwarded; `Seq2SeqTrainer(predict_with_generate=True)` passes its batch whole) and a false
-# `synced_gpus` (one process; a true one, for ZeRO-3/FSDP, goes to stock generate).
-_IGNORED = {"labels"}
-# Every GenerationConfig field may be passed as a keyword; `sampling_params_from` judges its value.
-_CONFIG_KEYS = frozenset(GenerationConfig().to_dict()) | {"generation_config"}
 # The output field of the returned cache (`cache` since transformers 5.24, `past_key_values` before).
 _CACHE_FIELD = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-
-
-@dataclasses.dataclass
-class EngineCall:
-    """One `generate` call the engine can serve, prepared: its merged config, sampling params and rows
-    (`plan_engine_call`); `engine_kwargs` sizes an engine for it."""
-
-    model: torch.nn.Module
-    gc: GenerationConfig
-    params: object  # SamplingParams
-    input_ids: torch.Tensor  # [batch, width]
-    attention_mask: torch.Tensor  # [batch, width]
-    rows: list[list[int]]  # each row's real tokens
-    pad: int
-    pad_warning: bool
-    eos_ids: list[int]
-    assistant: torch.nn.Module | None
-    streamer: object
-    criteria: StoppingCriteriaList | None
-    passed: ReturnedCache | None
-    paddings: list[set[int]]  # each row's padding ids (`_paddings`)
-    image_data: dict | None = None  # the call's image inputs (`pixel_values` of every row's images, ...)
-    image_support: ImageSupport | None = None  # the model's, with `image_data`
-    row_images: list = dataclasses.field(default_factory=list)  # per row, its `ImageItem`s (None: text only)
-    processors: LogitsProcessorList | None = None  # the call's own (`logits_processors.py`), run in lockstep
-
-    def prompts(self, engine: Engine) -> list:
-        """What the engine is given per row: its tokens, or with the call's images, the vLLM-style dict
-        whose `multi_modal_data` holds that row's images (split as transformers splits a batch's
-        images per row: by each image's placeholder count, which the engine's encoder gives)."""
-        if self.image_data is None:
-            return self.rows
-        prompts, self.row_images = row_prompts(self.image_support, engine, self.rows, self.image_data)
-        return prompts
-
-    @property
-    def width(self) -> int:
-        return self.input_ids.shape[1]
-
-    @property
-    def is_stepwise(self) -> bool:
-        """Fed step by step (a streamer or stopping criteria see every step)."""
-        return self.streamer is not None or self.criteria is not None
-
-    @property
-    def max_len(self) -> int:
-        return self.width + self.params.max_new_tokens
-
-    @property
-    def retain(self) -> bool:
-        """Stock returns (and updates in place) a cache: keep each row's K/V for a `ReturnedCache`."""
-        return self.gc.use_cache is not False and (self.gc.return_dict_in_generate or self.passed is not None)
-
-    def engine_kwargs(self, num_rows: int | None = None) -> dict:
-        """An engine for `num_rows` rows (default this call's) of this call's longest length."""
-        return pool_kwargs(self.model, (num_rows or len(self.rows)) * self.params.n, self.max_len)
-
-    def warn_pad(self, stacklevel: int) -> None:
-        """Stock's warning when it pads with the EOS id (no `pad_token_id` set)."""
-        if self.pad_warning:
-            warnings.warn(f"Setting `pad_token_id` to `eos_token_id`:{self.pad} for open-end generation.",
-                          stacklevel=stacklevel)
-
-    def spec_kwargs(self) -> dict:
-        return speculative_kwargs(self.gc, self.assistant)
-
-    def run_params(self):
-        """The sampling params of one run: with the call's own processors, a fresh `StockProcessors`
-        over stock's `input_ids` (it grows a column per step), and no speculation."""
-        if self.processors is None:
-            return self.params
-        n = self.params.n
-        ids = self.input_ids.repeat_interleave(n, dim=0) if n > 1 else self.input_ids
-        return dataclasses.replace(self.params, batch_processor=StockProcessors(self.processors, ids, self.pad),
-                                   num_speculative_tokens=0)
 
 
 def try_engine_generate(model, inputs, generation_config, kwargs: dict, engine: Engine | None = None):
@@ -182,7 +92,7 @@ def _run_call(call: EngineCall, engine: Engine):
         try:
             prompts = call.prompts(engine)
         except ValueError as exc:  # images the engine cannot split per image: stock serves (or raises its own)
-            logger.debug("hf_paged: stock generate serves this call (images: %s)", exc)
+            log_fallback(call.model, f"images ({exc})")
             if passed is not None:
                 passed.release_rows()
             return None
@@ -209,177 +119,12 @@ def _run_call(call: EngineCall, engine: Engine):
     return build_output(call, engine, samples, request_ids, metrics)
 
 
-_SELF_POSITIONED: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
-
-
-def _positions_itself(model) -> bool:
-    """Whether the model's own `prepare_inputs_for_generation` drops the position ids stock `generate`
-    made from the attention mask, so that its layers position the tokens themselves (Kosmos-2.5 counts
-    from past its padding index): the engine's 0-based positions would differ from stock's. Asked once
-    per class, by calling that method on three ids (no forward)."""
-    cls = type(model)
-    if cls not in _SELF_POSITIONED:
-        from transformers import DynamicCache
-
-        ids, positions = torch.tensor([[5, 6, 7]]), torch.tensor([[0, 1, 2]])
-        try:
-            inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), position_ids=positions,
-                                                         cache=DynamicCache(config=model.config), use_cache=True,
-                                                         is_first_iteration=True)
-            _SELF_POSITIONED[cls] = inputs.get("position_ids") is None
-        except Exception:  # noqa: BLE001 - a model that cannot answer this keeps the engine
-            _SELF_POSITIONED[cls] = False
-    return _SELF_POSITIONED[cls]
-
-
-def _synced_by_default(model) -> bool:
-    """Stock generate's own default for `synced_gpus=None`: ZeRO-3 or FSDP, more than one process."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    from transformers.integrations.fsdp import is_fsdp_managed_module
-
-    if not (is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model)):
-        return False
-    return torch.distributed.is_available() and torch.distributed.is_initialized() \
-        and torch.distributed.get_world_size() > 1
-
-
 def _raise_first_error(model, metrics: dict, per_row: list[list[CompletionOutput]]) -> None:
     """Raise the first failed sample's error (stock raises for the whole call), recording the metrics."""
     errors = [sample.error for row in per_row for sample in row if sample.error is not None]
     if errors:
         model.hf_paged_last_metrics = metrics
         raise errors[0]
-
-
-def plan_engine_call(model, inputs, generation_config, kwargs: dict) -> EngineCall | None:
-    """Prepare `model.generate(inputs, generation_config, **kwargs)` for the engine, or None when the
-    call needs something only stock generate provides. Runs nothing."""
-    if not getattr(model, "hf_paged_use_engine", True) or getattr(model.config, "is_encoder_decoder", False):
-        return None
-    if has_latent_kv(model.config):
-        return None  # the Engine cannot serve latent attention; stock generate over a PagedCache can
-    if _positions_itself(model):
-        return None  # the engine's positions are not the ones this model's generate uses
-    passed = passed_cache(kwargs)
-    image_data, image_support = image_data_of(model, kwargs)
-    image_side = image_side_inputs(image_support, kwargs, inputs if inputs is not None else kwargs.get("input_ids"))
-    if image_side is None:
-        return None
-    unknown = set(kwargs) - _MODEL_INPUTS - _CONFIG_KEYS - _IGNORED - set(image_data or ()) - image_side - {
-        "assistant_model", "streamer", "stopping_criteria", "tokenizer", "logits_processor", "prefix_allowed_tokens_fn"}
-    if "synced_gpus" in kwargs and not kwargs["synced_gpus"]:
-        unknown.discard("synced_gpus")
-    if kwargs.get("synced_gpus") is None and _synced_by_default(model):
-        return None  # stock turns synced_gpus on itself (ZeRO-3 or FSDP over several processes)
-    if isinstance(passed, ReturnedCache):
-        unknown -= {"cache", "past_key_values"}
-    if unknown:
-        logger.debug("hf_paged: stock generate serves this call (arguments %s)", sorted(unknown))
-        return None
-    assistant = kwargs.get("assistant_model")
-    if assistant is not None and (not isinstance(assistant, torch.nn.Module)
-                                  or getattr(assistant.config, "is_encoder_decoder", False)):
-        return None
-    input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-    if inputs is not None and "input_ids" in kwargs:
-        return None
-    if not torch.is_tensor(input_ids) or input_ids.dim() != 2 or input_ids.dtype != torch.long or input_ids.shape[0] == 0:
-        return None
-    width = input_ids.shape[1]
-    config_kwargs = {k: v for k, v in kwargs.items() if k in _CONFIG_KEYS and k != "generation_config"}
-    try:
-        gc = merged_generation_config(model, kwargs.get("generation_config", generation_config), config_kwargs,
-                                      input_ids=input_ids)
-    except (ValueError, TypeError, AttributeError) as exc:  # stock raises its own error for the same call
-        logger.debug("hf_paged: stock generate serves this call (%s)", exc)
-        return None
-    vocab_size = output_vocab_size(model)
-    params = sampling_params_from(gc, width, vocab_size)
-    if isinstance(params, str):
-        logger.debug("hf_paged: stock generate serves this call (%s)", params)
-        return None
-    if image_data is not None and (params.output_scores or params.output_logits or assistant is not None):
-        # Scores of rows that finished early come from a text-only teacher-forced forward; drafts see no images.
-        logger.debug("hf_paged: stock generate serves this call (images with scores, logits or an assistant)")
-        return None
-    if params.n > 1 and assistant is not None:
-        return None  # stock: "num_return_sequences has to be 1 when doing assisted generate"
-    eos_ids = eos_token_ids_of(gc)
-    pad = gc.pad_token_id
-    pad_warning = False
-    if pad is None:
-        if not eos_ids:
-            return None
-        pad, pad_warning = eos_ids[0], True  # what stock generate does, with the same warning
-    attention_mask = kwargs.get("attention_mask")
-    if attention_mask is None:
-        attention_mask = _inferred_attention_mask(input_ids, pad, eos_ids)
-    rows = _left_padded_rows(input_ids, attention_mask)
-    if rows is None:
-        return None
-    if passed is not None and passed.continuation_prefixes(None, input_ids, attention_mask, rows) is None:
-        logger.debug("hf_paged: stock generate serves this call (it does not extend the cache passed in)")
-        return None
-    paddings = _paddings(input_ids, rows)
-    if _padding_visible_to_processors(params, paddings, rows, before_run=True):
-        logger.debug("hf_paged: stock generate serves this call (its processors see the left padding)")
-        return None
-    if params.output_scores:
-        try:  # stock's processors complete finished rows' scores (see `stock_scores.stock_rows_after_finish`)
-            stock_processors(model, gc, attention_mask.long(), width, input_ids.device)
-        except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
-            logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
-            return None
-    processors = None
-    if kwargs.get("logits_processor") is not None or kwargs.get("prefix_allowed_tokens_fn") is not None:
-        processors = plan_processors(model, gc, kwargs, params, attention_mask, width, assistant, image_data)
-        if processors is False:
-            return None
-    streamer = kwargs.get("streamer")
-    criteria = None
-    if kwargs.get("stopping_criteria") or gc.stop_strings or gc.max_time is not None:
-        try:  # stock's own list (max length, EOS, stop strings, max time and the caller's), called step by step
-            stock_gc = copy.deepcopy(gc)
-            model._prepare_special_tokens(stock_gc, True, device=input_ids.device)
-            criteria = model._get_stopping_criteria(generation_config=stock_gc, stopping_criteria=kwargs.get(
-                "stopping_criteria") or StoppingCriteriaList(), tokenizer=kwargs.get("tokenizer"))
-        except (ValueError, TypeError, AttributeError) as exc:  # stock raises its own error for the same call
-            logger.debug("hf_paged: stock generate serves this call (%s)", exc)
-            return None
-        if not eos_ids:
-            # Without an EOS criterion stock keeps extending a row its criteria stopped (no padding).
-            logger.debug("hf_paged: stock generate serves this call (stopping criteria without eos_token_id)")
-            return None
-    if (streamer is not None or criteria is not None) and (
-            params.n > 1 or params.output_scores or params.output_logits
-            or (params.no_repeat_ngram_size >= 2 and any(len(r) < width for r in rows))):
-        # Fed step by step as the tokens come: only calls the engine surely serves to the end (no
-        # after-run fallback to stock, which would feed a streamer twice), one sample per row, and no
-        # scores (stock hands its criteria the scores tuple).
-        logger.debug("hf_paged: stock generate serves this call (streamer/criteria with n=%d, scores or n-grams)",
-                     params.n)
-        return None
-    call = EngineCall(model=model, gc=gc, params=params, input_ids=input_ids, attention_mask=attention_mask,
-                      rows=rows, pad=pad, pad_warning=pad_warning, eos_ids=eos_ids, assistant=assistant,
-                      streamer=streamer, criteria=criteria, passed=passed, paddings=paddings, image_data=image_data,
-                      image_support=image_support, processors=processors)
-    if processors is not None and not pool_holds_rows(call.model, call.engine_kwargs(), len(call.rows) * call.params.n,
-                                                      call.max_len):
-        # Lockstep needs every row running at once: a pool the caller capped may not hold them all.
-        logger.debug("hf_paged: stock generate serves this call (its processors, and a pool too small for every row)")
-        return None
-    if "mm_token_type_ids" in image_side and call.retain:
-        # A returned cache turns dense with 1-D positions (`ReturnedCache.to_dense`): not Qwen-VL's 3-D ones.
-        logger.debug("hf_paged: stock generate serves this call (a returned cache of M-RoPE images)")
-        return None
-    if tensor_parallel_group(model) is not None and (
-            call.retain or passed is not None or streamer is not None or criteria is not None or assistant is not None
-            or image_data is not None or processors is not None):
-        # Rank 0 alone runs a tensor-parallel call and hands the other ranks its result: returned caches,
-        # streamers, a caller's stopping criteria and images stay with stock, which every rank runs.
-        logger.debug("hf_paged: stock generate serves this tensor-parallel call (cache, streamer, criteria, images)")
-        return None
-    return call
 
 
 def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: list, metrics: dict):
@@ -391,9 +136,9 @@ def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: l
     kept = _kept_rows(engine, request_ids, rows, samples, n) if call.retain else None
     sample_rows = [rows[i // n] for i in range(len(samples))]
     paddings = call.paddings
-    if _padding_visible_to_processors(params, [paddings[i // n] for i in range(len(samples))], sample_rows,
+    if padding_visible_to_processors(params, [paddings[i // n] for i in range(len(samples))], sample_rows,
                                       before_run=False, generated=[s.token_ids for s in samples]):
-        logger.debug("hf_paged: stock generate serves this call (its n-gram processor sees the left padding)")
+        log_fallback(model, "its n-gram processor sees the left padding")
         if kept is not None:
             engine.free_kv(kept)
         if passed is not None:
@@ -428,11 +173,6 @@ def build_output(call: EngineCall, engine: Engine, samples: list, request_ids: l
         scores, logits = stock_rows_after_finish(model, gc, sequences, mask, width, samples, params)
     return GenerateDecoderOnlyOutput(sequences=sequences, scores=scores, logits=logits,
                                      **({_CACHE_FIELD: cache} if cache is not None else {}))
-
-
-def passed_cache(kwargs: dict):
-    """The cache object a generate call passed (`cache=`, or `past_key_values=` before 5.24)."""
-    return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 def _kept_rows(engine: Engine, request_ids: list[str | None], rows: list[list[int]], samples, n: int) -> list:
@@ -513,75 +253,6 @@ def _run_stepwise(engine: Engine, rows: list[list[int]], params, input_ids: torc
     if failed:
         raise RuntimeError(f"hf_paged: the engine failed rows {failed}")
     return [CompletionOutput(0, token_ids=t, finish_reason=r) for t, r in zip(tokens, reasons)], request_ids
-
-
-# ---------------------------------------------------------------------------------- inputs
-def _inferred_attention_mask(input_ids: torch.Tensor, pad: int, eos_ids: list[int]) -> torch.Tensor:
-    """Stock's mask when none is passed (`_prepare_attention_mask_for_generation`): the non-pad tokens
-    if the inputs hold the pad id and it is no end-of-sequence id, else every token."""
-    if pad not in eos_ids and bool((input_ids == pad).any()):
-        return input_ids.ne(pad).long()
-    return torch.ones_like(input_ids)
-
-
-def _left_padded_rows(input_ids: torch.Tensor, attention_mask) -> list[list[int]] | None:
-    """Each row's real tokens, or None unless every row is left-padded and non-empty."""
-    if not torch.is_tensor(attention_mask) or attention_mask.shape != input_ids.shape:
-        return None
-    mask = attention_mask.bool().cpu()
-    num_real = mask.sum(dim=1)
-    expected = torch.arange(mask.shape[1])[None, :] >= (mask.shape[1] - num_real)[:, None]
-    if not torch.equal(mask, expected) or bool((num_real == 0).any()):
-        return None
-    ids = input_ids.tolist()
-    return [row[len(row) - n:] for row, n in zip(ids, num_real.tolist())]
-
-
-def _paddings(input_ids: torch.Tensor, rows: list[list[int]]) -> list[set[int]]:
-    """Each row's padding ids: the `input_ids` under its attention mask's zeros (the left columns
-    `_left_padded_rows` cut off), whatever `pad_token_id` says. Stock's processors see these ids."""
-    width = input_ids.shape[1]
-    padded = [i for i, r in enumerate(rows) if len(r) < width]
-    ids = input_ids[padded].tolist() if padded else []
-    found = [set() for _ in rows]
-    for i, row_ids in zip(padded, ids):
-        found[i] = set(row_ids[: width - len(rows[i])])
-    return found
-
-
-def _padding_visible_to_processors(params, paddings: list[set[int]], rows: list[list[int]], before_run: bool,
-                                   generated: list[list[int]] | None = None) -> bool:
-    """Whether stock's processors could treat a row's left padding as tokens where the engine (which
-    never sees it) does not. Stock hands its processors the padded `input_ids`, so they see each row's
-    own padding ids (`paddings`, from `_paddings`: the ids under the mask, which need not be
-    `pad_token_id`, and may differ from row to row and within a row); these read it:
-
-    * `repetition_penalty`: from 5.23 stock skips the padding (`prompt_ignore_length`); before, it
-      penalises the padding ids as seen tokens (checked before the run, for any padded row);
-
-    * `bad_words_ids`: a multi-token word is matched against the last tokens, pads included, so a word
-      whose prefix holds one of a padded row's padding ids can match that row's padding (checked
-      before the run);
-    * `no_repeat_ngram_size`: n-grams run over the padding too. Size 1 bans the padding ids from the
-      first step (checked before the run, for any padded row). Larger sizes: an n-gram starting in the
-      padding has a padding id first, so it can only match the row's last tokens when one of the row's
-      padding ids occurs among its own tokens before the last step (prompt or generated); checked after
-      the run, on what was generated.
-
-    Conservative: True where stock might differ, not only where it does.
-    """
-    if not any(paddings):
-        return False
-    size = params.no_repeat_ngram_size
-    if before_run:
-        if size == 1 or params.repetition_penalty != 1.0 and not stock_penalty_skips_padding():
-            return True
-        return any(len(w) > 1 and not pads.isdisjoint(w[:-1])
-                   for pads in paddings if pads for w in params.bad_words_ids or ())
-    if size < 2:
-        return False
-    return any(pads and not (pads.isdisjoint(row) and pads.isdisjoint(gen[:-1]))
-               for pads, row, gen in zip(paddings, rows, generated))
 
 
 _ENGINE_ATTR = "_hf_paged_engine"  # the model's `_EngineSlot`
@@ -678,21 +349,6 @@ def release(model) -> bool:
     else:
         slot.release_pending = True
     return True
-
-
-def pool_kwargs(model, batch_size: int, max_len: int) -> dict:
-    """A pool sized like the model's `hf_paged_cache_config`, or else for every row at full length (the
-    most stock generate would hold); every row runs at once."""
-    cfg = getattr(model, "hf_paged_cache_config", None) or PagedCacheConfig()
-    num_blocks = cfg.num_blocks
-    if num_blocks is None and cfg.max_kv_bytes is None:  # every KV group of every row at full length
-        num_blocks = batch_size * PagedCache(model.config, cfg).manager.max_blocks_for(max_len)
-    return dict(
-        max_num_seqs=batch_size, block_size=cfg.block_size, num_blocks=num_blocks, max_kv_bytes=cfg.max_kv_bytes,
-        kv_cache_dtype=cfg.kv_cache_dtype, kv_quant_scheme=cfg.kv_quant_scheme, kv_quant_rotation=cfg.kv_quant_rotation,
-        enable_prefix_caching=cfg.enable_prefix_caching, enable_hybrid_kv=cfg.enable_hybrid_kv,
-        cache_salt=cfg.cache_salt, max_model_len=max(max_len, 2),
-    )
 
 
 # ---------------------------------------------------------------------------------- scores / logits

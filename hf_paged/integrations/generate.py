@@ -135,7 +135,7 @@ def _install_generate() -> None:
             result = answer(self, inputs, generation_config, args, kwargs)
             if result is not NotImplemented:
                 return result
-        if self.config._attn_implementation == "hf_paged" and _wants_compileable_cache(self, generation_config, kwargs):
+        if self.config._attn_implementation == "hf_paged" and wants_compileable_cache(self, generation_config, kwargs):
             return _generate_without_paging(self, original_generate, inputs, generation_config, *args, **kwargs)
         if self.config._attn_implementation == "hf_paged" and not args:
             from .batch_generate import try_engine_generate
@@ -143,6 +143,10 @@ def _install_generate() -> None:
             result = try_engine_generate(self, inputs, generation_config, kwargs)
             if result is not None:
                 return result
+        elif self.config._attn_implementation == "hf_paged":
+            from .routing import POSITIONAL_ARGUMENTS, log_fallback
+
+            log_fallback(self, POSITIONAL_ARGUMENTS)
         from .batch_generate import passed_cache
 
         if isinstance(passed_cache(kwargs), ReturnedCache):
@@ -159,7 +163,7 @@ def _install_generate() -> None:
     GenerationMixin.generate = generate
 
 
-def _wants_compileable_cache(model, generation_config, kwargs: dict) -> bool:
+def wants_compileable_cache(model, generation_config, kwargs: dict) -> bool:
     """Whether this call asks for a static (compileable) cache: a `cache_implementation` such as
     "static", a compile config, or a cache object with `is_compileable` passed in."""
     for key in ("cache", "past_key_values"):

@@ -5,13 +5,9 @@ the image inputs a `ReturnedCache` hands back to the model when it turns dense."
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from ..hf.multimodal import ImageSupport, merge_items
-
-logger = logging.getLogger("hf_paged.integrations.batch_generate")
 
 
 def row_prompts(support: ImageSupport, engine, rows: list[list[int]], image_data: dict) -> tuple[list, list]:
@@ -41,10 +37,10 @@ def row_prompts(support: ImageSupport, engine, rows: list[list[int]], image_data
     return prompts, row_images
 
 
-def image_side_inputs(support: ImageSupport | None, kwargs: dict, input_ids) -> set[str] | None:
+def image_side_inputs(support: ImageSupport | None, kwargs: dict, input_ids) -> set[str] | str:
     """The keywords beside the images that the engine derives itself from the ids: Qwen-VL's modality
     types (`mm_token_type_ids`), Gemma 3's token types (`token_type_ids`, which turn its images'
-    attention bidirectional in stock, and only when given). None: stock must serve the call."""
+    attention bidirectional in stock, and only when given), or why stock must serve the call."""
     if support is None:
         return set()
     if support.rope_index is not None:
@@ -54,8 +50,7 @@ def image_side_inputs(support: ImageSupport | None, kwargs: dict, input_ids) -> 
         if not torch.is_tensor(input_ids) or not torch.is_tensor(types) or types.shape != input_ids.shape \
                 or not torch.equal(types.bool(), input_ids == support.token_id):
             # Without them stock attends causally over the images; other types mean something else.
-            logger.debug("hf_paged: stock generate serves this call (token_type_ids absent or not the images')")
-            return None
+            return "images with token_type_ids absent or not the images'"
         return {"token_type_ids"}
     return set()
 
@@ -66,20 +61,18 @@ def expanded_images(row_images: list, n: int) -> dict | None:
     return merge_items(items) if items else None
 
 
-def image_data_of(model, kwargs: dict) -> tuple[dict, ImageSupport] | tuple[None, None]:
+def image_data_of(model, kwargs: dict) -> tuple[dict, ImageSupport] | tuple[None, None] | str:
     """The call's image inputs and the model's `ImageSupport`, when the engine can place its images
-    (`hf.multimodal`); (None, None) without images, or when only stock can serve them (the names then
-    stay unknown keywords)."""
+    (`hf.multimodal`); (None, None) without images; or why only stock can serve them."""
     if kwargs.get("pixel_values") is None:
         return None, None
     support = ImageSupport(model)
     if not support.is_supported:
-        logger.debug("hf_paged: stock generate serves this call (images: %s)", support.reason)
-        return None, None
+        return f"images ({support.reason})"
     data = {k: v for k, v in kwargs.items() if k in support.input_names and v is not None}
     grid = data.get("image_grid_thw")  # patches of all images in one tensor, beside each image's grid
     num = grid.shape[0] if torch.is_tensor(grid) and grid.dim() == 2 else data["pixel_values"].shape[0]
     if not all(torch.is_tensor(v) and v.dim() > 0 and (v.shape[0] == num or k == "pixel_values")
                for k, v in data.items()):
-        return None, None  # not one entry per image: stock's own checks and errors
+        return "image inputs without one entry per image (stock checks them)"
     return data, support

@@ -10,18 +10,21 @@ finish, resumable (`hf-paged generate --input ... --output ...`).
   "error"}`, appended (and flushed) the moment the row finishes, in finishing order. A record whose
   text will not encode as UTF-8 (a lone surrogate, from a `"\\ud800"` escape in the input) is
   written with ASCII escapes, so writing a record never fails.
-* Resume: rows whose index is already in the output are skipped, so a run that was interrupted
-  (Ctrl-C, SIGTERM, SIGKILL, a crash) and started again ends with exactly one record per row; a
-  last line cut short by a kill is dropped first. A row's result does not depend on the rows run
+* Before any model loads, `inspect_input` reads the input once: the number of rows (the progress
+  bar's total) and whether its first readable row has the prompt column.
+* Resume: rows whose index is already in the output with a result are skipped, so a run that was
+  interrupted (Ctrl-C, SIGTERM, SIGKILL, a crash) and started again ends with exactly one record per
+  row; a last line cut short by a kill, and every error record, are dropped first: a rerun retries
+  the rows that failed. A row's result does not depend on the rows run
   beside it (greedy, or sampling seeded per row: `seed + index`), so a resumed run writes what an
   uninterrupted one would.
 * A bad row gets a record with `error` set and `finish_reason` "error"; the job goes on. Bad rows
   are a line that is not valid UTF-8 or not JSON, a `.csv` record with bytes that are not UTF-8,
   and a prompt that is missing, empty, too long, not text, holds a lone surrogate, or is refused
   by the chat template. A row the engine failed on (a step that kept failing) gets one too,
-  marked `"retry": true`: a rerun replaces it with the row's result.
+  marked `"retry": true`. A rerun replaces every error record with the row's new outcome.
 * Every row runs through one `Engine`, at most `max_in_flight` rows queued at a time, with a tqdm
-  progress bar (rows, and generated tokens per second).
+  progress bar (rows out of the total with an ETA, and generated tokens per second).
 """
 
 from __future__ import annotations
@@ -129,9 +132,40 @@ def _datasets(what: str):
     return require("datasets", "data", what)
 
 
+def inspect_input(path: str | os.PathLike, column: str) -> int:
+    """Check a job's input before a model loads: its number of rows.
+
+    Raises:
+        ValueError: no such file, an unreadable or unknown input, no rows at all, or a first readable
+            row (an object) without `column` (the message lists the columns it has).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"--input {str(path)!r}: no such file or folder")
+    if path.is_dir() or path.suffix.lower() == ".parquet":  # a table: its columns, without walking its rows
+        loader = _datasets("a saved dataset folder" if path.is_dir() else "parquet input")
+        table = loader.load_from_disk(str(path)) if path.is_dir() else loader.Dataset.from_parquet(str(path))
+        num_rows, first = len(table), (dict.fromkeys(table.column_names) if len(table) else None)
+    else:
+        num_rows, first = 0, None
+        try:
+            for row in read_rows(path):
+                num_rows += 1
+                if first is None and isinstance(row, dict) and "__error__" not in row:
+                    first = row
+        except (OSError, UnicodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"--input {str(path)!r}: {exc}") from exc
+    if num_rows == 0:
+        raise ValueError(f"--input {str(path)!r} holds no rows")
+    if first is not None and column not in first:
+        names = ", ".join(repr(k) for k in first) or "none"
+        raise ValueError(f"--column {column!r}: the input has no such column (its first row has {names})")
+    return num_rows
+
+
 def done_indices(output: str | os.PathLike) -> set[int]:
-    """Indices already in `output`. A last line cut short (a killed run) is removed from the file, and
-    so are records marked `retry` (the engine failed on that row), to be written again.
+    """Indices already in `output` with a result. A last line cut short (a killed run) is removed from
+    the file, and so is every error record: a rerun tries those rows again.
 
     Raises:
         ValueError: a complete line that is not one of this job's records (another file?).
@@ -155,12 +189,14 @@ def done_indices(output: str | os.PathLike) -> set[int]:
             break
         if not isinstance(record, dict) or not isinstance(record.get("index"), int):
             raise ValueError(f"{path}: line {n} has no integer 'index'; is --output another file?")
-        if not record.get("retry"):
+        if not record.get("error"):
             done.add(record["index"])
             kept.append(line)
     if len(kept) != len(lines):
-        logger.warning("hf_paged: %s: dropping %s before resuming", path,
-                       "a partial last record" if partial else "records of rows to retry")
+        retried = len(lines) - len(kept) - partial
+        logger.warning("hf_paged: %s: dropping %s before resuming", path, " and ".join(
+            ([f"{retried} error record(s), to retry those rows"] if retried else [])
+            + (["a partial last record"] if partial else [])))
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(b"".join(kept))
         os.replace(tmp, path)
@@ -202,7 +238,7 @@ def prompt_of(row: dict, column: str, tokenizer, chat: bool):
 
 def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: SamplingParams, *,
             column: str = "prompt", chat: bool = False, max_in_flight: int | None = None,
-            progress: bool = True) -> dict:
+            progress: bool = True, total: int | None = None) -> dict:
     """Generate for every row not yet in `output`, appending a record per row as it finishes.
 
     Args:
@@ -210,6 +246,7 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
         rows: an iterable of dicts (`read_rows`).
         params: every row's sampling; with `params.seed` set, row `i` uses `seed + i`.
         max_in_flight: rows queued at once (default four times the engine's `max_num_seqs`).
+        total: the number of rows, for the progress bar's ETA (default `len(rows)` where it has one).
 
     Returns:
         counts: `written`, `errors`, `skipped` (already in the output) and `seconds`.
@@ -220,7 +257,9 @@ def run_job(engine: Engine, tokenizer, rows, output: str | os.PathLike, params: 
     live: dict[str, tuple[int, str]] = {}  # request id -> (row index, prompt text)
     counts = dict(written=0, errors=0, skipped=0, tokens=0)
     began = time.perf_counter()
-    bar = _bar(progress)
+    if total is None and hasattr(rows, "__len__"):
+        total = len(rows)
+    bar = _bar(progress, total, len(done))
     stop = _StopOnSigterm()
     with open(output, "ab") as out, stop:
         def write(record: dict) -> None:
@@ -302,12 +341,14 @@ def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
     return dataclasses.replace(params, seed=seed)
 
 
-def _bar(progress: bool):
+def _bar(progress: bool, total: int | None, num_done: int):
     if not progress:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(desc="hf_paged", unit="row", dynamic_ncols=True)
+    # Rows already in the output count from the start, so the ETA covers only what is left.
+    initial = min(num_done, total) if total is not None else 0
+    return tqdm(desc="hf_paged", unit="row", dynamic_ncols=True, total=total, initial=initial)
 
 
 class _StopOnSigterm:

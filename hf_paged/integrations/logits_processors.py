@@ -23,8 +23,6 @@ list, as stock places it.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import PrefixConstrainedLogitsProcessor
@@ -32,8 +30,6 @@ from transformers.generation.logits_process import PrefixConstrainedLogitsProces
 from ..config import PagedCacheConfig
 from ..hf import PagedCache
 from .stock_scores import stock_processors
-
-logger = logging.getLogger(__name__)
 
 
 class StockProcessors:
@@ -97,28 +93,29 @@ def call_processors(logits_processor, prefix_allowed_tokens_fn, gc) -> LogitsPro
     return processors or None
 
 
-def plan_processors(model, gc, kwargs: dict, params, attention_mask, width: int, assistant, image_data):
+def plan_processors(model, gc, kwargs: dict, params, attention_mask, width: int, assistant,
+                    image_data) -> LogitsProcessorList | None | str:
     """The call's `logits_processor` / `prefix_allowed_tokens_fn` as one list for the engine (None: both
-    empty), or False when stock must serve the call with them."""
+    empty), or why stock must serve the call with them."""
     given = kwargs.get("logits_processor")
     if given is not None and not isinstance(given, list):  # stock raises its own error
-        return False
+        return f"a logits_processor that is not a list ({type(given).__name__})"
     processors = call_processors(given, kwargs.get("prefix_allowed_tokens_fn"), gc)
     if processors is None:
         return None
     if assistant is not None or params.output_scores or params.output_logits or image_data is not None:
         # Stock runs them on every draft position (assisted), and on finished rows' pad-fed scores.
-        logger.debug("hf_paged: stock generate serves this call (processors with an assistant, scores or images)")
-        return False
+        why = ("an assistant_model" if assistant is not None else "images" if image_data is not None
+               else "output_scores or output_logits")
+        return f"logits processors with {why}"
     try:
         built_in = {type(p) for p in stock_processors(model, gc, attention_mask.long(), width, attention_mask.device)}
     except Exception as exc:  # noqa: BLE001 - whatever stops it here, stock serves the call
-        logger.debug("hf_paged: stock generate serves this call (its processors: %s)", exc)
-        return False
-    if any(type(p) in built_in for p in given or ()):
+        return f"its processors ({exc})"
+    same = sorted({type(p).__name__ for p in given or () if type(p) in built_in})
+    if same:
         # Stock replaces its own processor of the same type by the caller's, in its place in the list.
-        logger.debug("hf_paged: stock generate serves this call (a processor of the same type as a built-in one)")
-        return False
+        return f"a logits processor of the same type as one the generation config builds ({', '.join(same)})"
     return processors
 
 

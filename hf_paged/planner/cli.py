@@ -2,7 +2,11 @@
 
 Every subcommand takes a model: a `config.json` path, a model directory, or a bundled reference name
 (see `hf_paged.planner.sizing.reference_config_names()`). Tables go to stdout; `--json` prints one JSON object
-instead. Bad input prints one line to stderr and returns exit status 2.
+instead. Bad input prints one line to stderr and returns exit status 2. The output depends on the
+arguments alone (no clock, no machine), so the docs can show it verbatim.
+
+A model hf_paged cannot serve yet (`refusals.refusal`) gets a `note:` line saying why (JSON: `refusal`);
+`plan` for weights that do not fit one device plans the smallest tensor-parallel split that does.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import argparse
 import json
 import sys
 
-from ..config import DEFAULT_BLOCK_SIZE
+from ..config import DEFAULT_BLOCK_SIZE, SUPPORTED_LAYER_TYPES
 from . import sizing
+from .layers import KNOWN_KINDS, STATE_KINDS
+from .refusals import refusal
 from .sizing import GB, GiB
 
 _PLOT_SIZE = (8.0, 5.0)  # inches; at _PLOT_DPI the PNG is 800 x 500 pixels
@@ -91,12 +97,28 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- handlers
-def _shape(args) -> sizing.ModelShape:
-    return sizing.ModelShape.from_config(sizing.load_config(args.model), name=args.model)
+def _load(args) -> tuple[sizing.ModelShape, list[str], str | None]:
+    """The model's shape, the notes its figures need, and why hf_paged cannot serve it (or None)."""
+    config = sizing.load_config(args.model)
+    shape = sizing.ModelShape.from_config(config, name=args.model)
+    why = refusal(config)
+    notes = [f"hf_paged cannot serve this model yet: {why}; the figures are what its cache would take"] if why else []
+    unknown = sorted({k for k in shape.layer_kinds if k not in KNOWN_KINDS})
+    if unknown:
+        notes.append(f"{', '.join(unknown)} layers are counted as full attention (every token's K/V)")
+    if shape.num_unsized_state_layers:
+        notes.append(f"the state of {shape.num_unsized_state_layers} layers ({shape.model_type}) is not counted: "
+                     "the planner does not know its size")
+    return shape, notes, why
+
+
+def _print_notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"note: {note}")
 
 
 def run_kv_size(args) -> int:
-    shape = _shape(args)
+    shape, notes, why = _load(args)
     if args.kv_heads is not None:
         shape = shape.with_kv_heads(args.kv_heads)
     kind = shape.attention_kind  # the model's, not what one rank's share of the heads looks like
@@ -110,22 +132,28 @@ def run_kv_size(args) -> int:
         rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype, variant=kind)]
     if args.plot:
         plot_kv_vs_context(shape, args.plot, kv_dtype=args.kv_dtype, batch_size=args.batch, seq_len=args.seq_len)
-    windows = {w for w in shape.layer_windows if w is not None}
+    windows = {w for w in shape.kv_layer_windows if w is not None}
     if args.json:
-        _print_json({"model": shape.name, "sliding_windows": sorted(windows), "rows": [r.to_dict() for r in rows],
-                     "plot": args.plot})
+        _print_json({"model": shape.name, "layer_kinds": shape.layer_kind_counts, "sliding_windows": sorted(windows),
+                     "state_bytes_per_seq": shape.state_bytes_per_seq, "refusal": why, "notes": notes,
+                     "rows": [r.to_dict() for r in rows], "plot": args.plot})
         return 0
-    print(f"{shape.name}: {shape.num_layers} layers, {shape.num_attention_heads} heads, "
-          f"{_kv_desc(shape)}, seq_len {args.seq_len:,}, batch {args.batch:,}")
+    _print_notes(notes)
+    heads = f"{shape.num_attention_heads} heads, " if shape.num_kv_layers else ""
+    print(f"{shape.name}: {_layers_desc(shape)}, {heads}{_kv_desc(shape)}, seq_len {args.seq_len:,}, "
+          f"batch {args.batch:,}")
     if windows:
         print(f"sliding-window layers keep at most {', '.join(f'{w:,}' for w in sorted(windows))} tokens")
+    if shape.state_bytes_per_seq:
+        print(_state_desc(shape))
     native = rows[0].total_bytes if not args.compare else sizing.kv_size(shape, args.seq_len, args.batch,
                                                                           args.kv_dtype).total_bytes
-    headers = ["variant", "kv heads", "dtype", "bytes/token", "payload", "scales", "per seq GB", "per seq GiB",
-               "total GB", "total GiB", "vs model"]
+    has_state = bool(shape.state_bytes_per_seq)
+    headers = ["variant", "kv heads", "dtype", "bytes/token", "payload", "scales", *(["state/seq"] * has_state),
+               "per seq GB", "per seq GiB", "total GB", "total GiB", "vs model"]
     table = [[r.variant, r.num_kv_heads, r.kv_dtype, f"{r.bytes_per_token:,}",
               f"{r.bytes_per_token - r.scale_bytes_per_token:,}", f"{r.scale_bytes_per_token:,}",
-              f"{r.bytes_per_seq / GB:,.3f}",
+              *([f"{r.state_bytes_per_seq:,}"] * has_state), f"{r.bytes_per_seq / GB:,.3f}",
               f"{r.bytes_per_seq / GiB:,.3f}", f"{r.total_gb:,.1f}", f"{r.total_gib:,.1f}",
               f"{r.total_bytes / native:.3g}x" if native else "-"] for r in rows]
     print(_table(headers, table))
@@ -134,14 +162,36 @@ def run_kv_size(args) -> int:
     return 0
 
 
+def _layers_desc(shape) -> str:
+    """The layer count, with the count of each kind when some layer is not plain attention."""
+    counts = shape.layer_kind_counts
+    if set(counts) <= set(SUPPORTED_LAYER_TYPES):
+        return f"{shape.num_layers} layers"
+    return f"{shape.num_layers} layers ({', '.join(f'{n} {kind}' for kind, n in counts.items())})"
+
+
+def _state_desc(shape) -> str:
+    kinds = [k for k in shape.layer_kind_counts if k in STATE_KINDS]
+    parts = []
+    if shape.recurrent_state_elements:
+        dtype = shape.recurrent_state_dtype or shape.model_dtype
+        parts.append(f"recurrent {shape.recurrent_state_elements:,} x {dtype}")
+    if shape.conv_state_elements:
+        parts.append(f"conv {shape.conv_state_elements:,} x {shape.model_dtype}")
+    return (f"{' and '.join(kinds)} layers keep a fixed state per sequence instead of K/V per token: "
+            f"{shape.state_bytes_per_seq:,} bytes ({'; '.join(parts)})")
+
+
 def _kv_desc(shape) -> str:
+    if not shape.num_kv_layers:
+        return "no attention (no K/V)"
     if shape.is_mla:
         return f"MLA latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
     return f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim} ({shape.attention_kind})"
 
 
 def run_roofline(args) -> int:
-    shape = _shape(args)
+    shape, notes, why = _load(args)
     gpu_name = args.gpu or (None if args.tflops is not None and args.bandwidth is not None else "h100-sxm")
     gpu = sizing.get_gpu(gpu_name, args.tflops, args.bandwidth)
     sizing.dtype_bytes(args.weight_dtype)
@@ -157,8 +207,9 @@ def run_roofline(args) -> int:
     if args.plot:
         plot_roofline(report, args.plot)
     if args.json:
-        _print_json({**report.to_dict(), "plot": args.plot})
+        _print_json({**report.to_dict(), "refusal": why, "notes": notes, "plot": args.plot})
         return 0
+    _print_notes(notes)
     bound = (f"batch {report.compute_bound_batch:,}" if report.compute_bound_batch is not None else
              f"never (intensity tends to {report.asymptotic_intensity:.1f} FLOPs/byte, KV reads dominate)")
     print(f"{shape.name} on {gpu.name}: {gpu.tflops:g} TFLOPS, {gpu.bandwidth_tbs:g} TB/s; weights "
@@ -178,7 +229,7 @@ def run_roofline(args) -> int:
 
 
 def run_plan(args) -> int:
-    shape = _shape(args).per_rank(args.tp)  # every figure below is one device's
+    model, notes, why = _load(args)
     memory_gb = args.memory_gb
     if memory_gb is None and args.gpu:
         memory_gb = sizing.get_gpu(args.gpu).memory_gb
@@ -186,25 +237,53 @@ def run_plan(args) -> int:
         raise ValueError(f"memory-gb must be positive, got {memory_gb}")
     if memory_gb is None and args.kv_budget is None:
         memory_gb = sizing.GPU_PRESETS["h100-sxm"].memory_gb
-    result = sizing.plan(shape, memory_bytes=int(memory_gb * GB) if memory_gb else None,
-                         utilization=args.utilization, seq_len=args.seq_len, block_size=args.block_size,
-                         max_seq_len=args.max_seq_len, weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype,
-                         kv_budget_bytes=args.kv_budget, step_tokens=args.step_tokens)
+    memory = int(memory_gb * GB) if memory_gb else None
+    kwargs = dict(seq_len=args.seq_len, block_size=args.block_size, max_seq_len=args.max_seq_len,
+                  weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, step_tokens=args.step_tokens)
+    tp, options = args.tp, []
+    try:
+        result = sizing.plan(model.per_rank(tp), memory_bytes=memory, utilization=args.utilization,
+                             kv_budget_bytes=args.kv_budget, **kwargs)
+    except sizing.WeightsDoNotFit as e:
+        options = sizing.tp_options(model, memory_bytes=memory, utilization=args.utilization, above=tp, **kwargs)
+        fit = sizing.smallest_fit(options)
+        if fit is None:
+            raise ValueError(f"{e}, {_no_split(model, options)}") from None
+        tp = fit.tensor_parallel_size
+        result = sizing.plan(model.per_rank(tp), memory_bytes=memory, utilization=args.utilization, **kwargs)
+        notes.append(f"{e} of one device; the smallest tensor-parallel split that holds a sequence of "
+                     f"{args.seq_len:,} tokens is --tp {tp}, planned below")
+    else:
+        if not result.num_seqs_paged and memory:
+            options = sizing.tp_options(model, memory_bytes=memory, utilization=args.utilization, above=tp, **kwargs)
+            fit = sizing.smallest_fit(options)
+            if fit is not None:
+                notes.append(f"no sequence of {args.seq_len:,} tokens fits one device; --tp "
+                             f"{fit.tensor_parallel_size} holds {fit.num_seqs_paged:,}")
+    shape = model.per_rank(tp)  # every figure below is one device's
     if args.json:
-        _print_json(result.to_dict())
+        _print_json({**result.to_dict(), "tensor_parallel_size": tp, "refusal": why, "notes": notes,
+                     "tp_options": [o.to_dict() for o in options]})
         return 0
+    _print_notes(notes)
+    if options and tp != args.tp:
+        print(f"tensor-parallel splits (figures per device, sequences of {args.seq_len:,} tokens)")
+        print(_table(["tp", "weights", "KV budget", "sequences"],
+                     [[o.tensor_parallel_size, _gb(o.weight_bytes), _gb(max(o.kv_budget_bytes, 0)),
+                       f"{o.num_seqs_paged:,}"] for o in options]))
     r = result
     gain = f"{r.num_seqs_paged / r.num_seqs_contiguous:.1f}x" if r.num_seqs_contiguous else "-"
     rows = [
-        *([["tensor-parallel ranks (figures per device)", f"{args.tp}"]] if args.tp > 1 else []),
+        *([["tensor-parallel ranks (figures per device)", f"{tp}"]] if tp > 1 else []),
         ["GPU memory", _gb(r.memory_bytes) if r.memory_bytes else "-"],
         ["utilization", f"{r.utilization:g}" if r.memory_bytes else "-"],
         [f"weights ({args.weight_dtype}, {shape.num_params / 1e9:,.2f}B params)", _gb(r.weight_bytes)],
         [f"KV budget ({args.kv_dtype})", _gb(r.kv_budget_bytes)],
+        *([["fixed state per sequence (bytes)", f"{r.state_bytes_per_seq:,}"]] if r.state_bytes_per_seq else []),
         [f"bytes per block ({r.block_size} tokens)", f"{r.bytes_per_block:,}"],
         ["KV blocks", f"{r.num_blocks:,}"],
         [f"blocks per sequence of {r.seq_len:,} tokens ({r.num_kv_groups} KV group"
-         f"{'s' if r.num_kv_groups > 1 else ''}, step of {r.step_tokens})", f"{r.blocks_per_seq:,}"],
+         f"{'s' if r.num_kv_groups != 1 else ''}, step of {r.step_tokens})", f"{r.blocks_per_seq:,}"],
         [f"sequences of {r.seq_len:,} tokens, paged", f"{r.num_seqs_paged:,}"],
         [f"sequences, contiguous at max length {r.max_seq_len:,}", f"{r.num_seqs_contiguous:,}"],
         ["paging gain", gain],
@@ -217,6 +296,17 @@ def run_plan(args) -> int:
     print(f"plan for {shape.name}")
     print(_table(["quantity", "value"], rows))
     return 0
+
+
+def _no_split(model: sizing.ModelShape, options: list) -> str:
+    """Why no tensor-parallel split rescues a model whose weights do not fit one device."""
+    if model.is_mla:
+        return "and latent attention (one shared K/V head) cannot be split over tensor-parallel ranks"
+    if not options:
+        return (f"and no larger power-of-two split divides its {model.num_attention_heads} attention and "
+                f"{model.num_kv_heads} KV heads")
+    return (f"nor does one device's share under --tp {options[-1].tensor_parallel_size}, the largest split its "
+            f"{model.num_attention_heads} attention and {model.num_kv_heads} KV heads allow")
 
 
 # ---------------------------------------------------------------------------------------------- plots

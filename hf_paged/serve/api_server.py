@@ -9,10 +9,8 @@ Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (the model's chat
 Events in OpenAI's chunk format (logprobs included), ending with `[DONE]`.
 
 Hardening:
-* `--api-key` (or `HF_PAGED_API_KEY`): every endpoint but `/health` needs `Authorization: Bearer
-  <key>`, compared in constant time (`hmac.compare_digest`); otherwise 401 in OpenAI's shape. An
-  empty key is refused at start (it would open the server). The server binds 127.0.0.1 unless
-  `--host` says otherwise, and warns at start when it listens beyond loopback without a key.
+* `--api-key`: every endpoint but `/health` needs `Authorization: Bearer <key>` (`auth.py`), else 401;
+  `launch` binds 127.0.0.1 unless told otherwise, and warns beyond loopback without a key.
 * Every per-request cost is bounded: the body (`--max-body-bytes`, 413), and each cap of
   `openai_protocol.Limits` (stop strings and their length, logit-bias entries, n, max_tokens,
   logprobs), each a flag; a request over one gets a 400 naming it. Stop matching is linear in the
@@ -32,20 +30,18 @@ Hardening:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import signal
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from ..engine import AsyncEngine, EngineClient, EngineClosedError, ExecutorLostError
+from ..engine import EngineClient, EngineClosedError, ExecutorLostError
 from ..sampling_params import SamplingParams
-from ..worker.cpu_caches import bound_cpu_kernel_caches
-from .openai_protocol import APIError, Limits, Parsed, decode_body, parse
+from .openai_protocol import APIError, Limits, Parsed, decode_body, max_tokens_for, parse
 from .openapi import openapi_document
 from . import tool_calls, tools
+from .auth import RequireKey, check_api_key
 from .prometheus import EngineCollector
 
 try:  # FastAPI resolves the endpoints' annotations in this module's globals
@@ -76,22 +72,6 @@ def _require():
     require("uvicorn", "serve", "hf-paged serve")
     prometheus = require("prometheus_client", "serve", "hf-paged serve")
     return fastapi, prometheus
-
-
-def check_api_key(api_key: str | None) -> None:
-    """Refuse a key that would leave the server open or unusable (None means no key: open on purpose).
-
-    Raises:
-        ValueError: an empty or blank key, or one with characters a header cannot carry.
-    """
-    if api_key is None:
-        return
-    if not isinstance(api_key, str) or not api_key.strip():
-        raise ValueError("the API key is empty (--api-key '' or HF_PAGED_API_KEY=''): that would leave every route "
-                         "open; give a real key, or unset it to serve without one")
-    if api_key != api_key.strip() or not api_key.isprintable() or not api_key.isascii():
-        raise ValueError("the API key must be printable ASCII without surrounding spaces (it travels in the "
-                         "Authorization header)")
 
 
 def _dumps(payload) -> bytes:
@@ -165,7 +145,7 @@ class Server:
             return _json(APIError(500, "internal error", type="server_error").body(), 500)
 
         if api_key is not None:
-            app.add_middleware(_RequireKey, key=api_key)
+            app.add_middleware(RequireKey, key=api_key)
 
         @app.get("/health")
         async def health():
@@ -280,7 +260,8 @@ class Server:
 
     def _prompt(self, p: Parsed) -> tuple[list[int], dict | None]:
         """The prompt's token ids and its image inputs (None without images), on a worker thread:
-        tokenising, templating and decoding images cost time."""
+        tokenising, templating and decoding images cost time. Sets `p.max_tokens` to what the request
+        may generate (`openai_protocol.max_tokens_for`: chat's default is the rest of the context)."""
         images = None
         with self.engine.tokenizer_lock:  # the engine's: it encodes string prompts too
             if p.kind == "chat" and any(isinstance(m["content"], list) for m in p.messages):
@@ -300,10 +281,7 @@ class Server:
                 ids = p.prompt
         if not ids:
             raise APIError(400, "the prompt is empty once tokenised", param="prompt")
-        if len(ids) + p.max_tokens > self.limits.max_model_len:
-            raise APIError(400, f"this model's context is {self.limits.max_model_len} tokens; the prompt has "
-                                f"{len(ids)} and max_tokens asks for {p.max_tokens} more",
-                           param="messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
+        p.max_tokens = max_tokens_for(p, len(ids), self.limits)  # the defaults need the prompt's length
         return list(ids), images
 
     def _render_images(self, messages: list[dict]) -> tuple[list[int], dict]:
@@ -348,12 +326,16 @@ class Server:
         return ids, images
 
     def _params(self, p: Parsed) -> SamplingParams:
+        # A tool format whose markers are special tokens keeps them in the text, to read the calls back.
+        skip_special = p.skip_special_tokens and not (self._keep_special_for_tools and p.tool_choice != "none")
         try:
-            params = SamplingParams(max_new_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, n=p.n,
-                                    stop=p.stop or None, seed=p.seed, logprobs=p.logprobs,
-                                    presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                                    logit_bias=p.logit_bias or None, structured=p.structured,
-                                    skip_special_tokens=not (self._keep_special_for_tools and p.tool_choice != "none"))
+            params = SamplingParams(max_new_tokens=p.max_tokens, min_new_tokens=p.min_tokens,
+                                    temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                                    n=p.n, stop=p.stop or None, stop_token_ids=p.stop_token_ids,
+                                    ignore_eos=p.ignore_eos, seed=p.seed, logprobs=p.logprobs,
+                                    repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                                    frequency_penalty=p.frequency_penalty, logit_bias=p.logit_bias or None,
+                                    structured=p.structured, skip_special_tokens=skip_special)
             params.validate(self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc)) from None
@@ -416,12 +398,14 @@ class Server:
         created, obj = int(time.time()), "chat.completion.chunk" if p.kind == "chat" else "text_completion"
         counts, offsets = [0] * p.n, [0] * p.n
         calling = p.kind == "chat" and p.tool_choice != "none"
-        parsers = [tool_calls.ToolCallParser(p.tool_format) for _ in range(p.n)] if calling else []
+        calls_only = calling and tool_calls.forces_calls(p.tool_choice)  # content null, as OpenAI streams it
+        parsers = [tool_calls.ToolCallParser(p.tool_format, calls_only) for _ in range(p.n)] if calling else []
         try:
             if p.kind == "chat":
                 for i in range(p.n):
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": None if calls_only else ""},
                                              "logprobs": None, "finish_reason": None}]})
             async for event in pending.events():
                 i = event.sample_index
@@ -441,7 +425,8 @@ class Server:
                 if calling:
                     # Calls as OpenAI streams them: the name (with the call's id) once it is whole, then
                     # the arguments as they are generated; text that may open a call waits until decided.
-                    deltas = parsers[i].feed(text) + (parsers[i].finish() if reason is not None else [])
+                    deltas = parsers[i].feed(text) + (parsers[i].finish(cut=reason != "stop")
+                                                      if reason is not None else [])
                     if reason == "stop" and parsers[i].calls:
                         reason = "tool_calls"
                     if not deltas and (reason is not None or logprobs is not None):
@@ -482,27 +467,6 @@ class Server:
         await pending.abort()
 
 
-class _RequireKey:
-    """ASGI middleware: 401 in OpenAI's shape for a missing or wrong `Authorization: Bearer <key>` on
-    every path but `/health` (plain ASGI: no task or stream wrapping per request, which
-    `@app.middleware` would add to every call, `/health` included)."""
-
-    def __init__(self, app, key: str):
-        self.app = app
-        self._key = key.encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] != "/health":
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            token = given[7:] if given[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self._key):
-                response = _json(APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                          code="invalid_api_key").body(), 401)
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
 def _json(payload, status: int = 200, headers: dict | None = None):
     return Response(_dumps(payload), status_code=status, media_type="application/json", headers=headers)
 
@@ -534,148 +498,3 @@ def _warnings(p: Parsed) -> dict | None:
 
 def _finish_reason(reason: str | None) -> str | None:
     return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}.get(reason, reason)
-
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def main(argv: list[str] | None = None, disaggregated=None, tensor_parallel=None) -> int:
-    """`hf-paged serve MODEL_DIR|default|module:callable [--host --port --api-key ...]`.
-
-    Args:
-        disaggregated: builds the `EngineClient` over disaggregated workers for `--num-prefill` /
-            `--num-decode`, and over replicas for `--data-parallel-size` (no prefill worker): called as
-            `disaggregated(model_factory, tokenizer=, num_prefill=, num_decode=, engine_kwargs=)` (pools
-            add `prefill_tensor_parallel_size=` and `decode_tensor_parallel_size=`), with a `max_model_len`
-            attribute on what it returns (the `hf-paged` command passes
-            `disagg.AsyncDisaggregatedEngine.launch`).
-        tensor_parallel: starts and stops the other ranks for `--tensor-parallel-size`: a module with
-            `start_ranks(model, size, engine_kwargs) -> ranks`, `stop_ranks(ranks)` and
-            `TensorParallelReplica(model, size)`, a replica's model factory (the `hf-paged` command
-            passes `hf_paged.parallel`).
-    """
-    import argparse
-    import dataclasses
-    import os
-    import sys
-
-    from ..config import EngineConfig
-    from ..engine import Engine
-    from ..model_source import ModelFromPath
-    from ..hf.rope import default_max_model_len
-
-    parser = argparse.ArgumentParser(prog="hf-paged serve", description="OpenAI-compatible server over hf_paged")
-    parser.add_argument("model", help="a model folder, a factory 'module:callable', or 'default' (SmolLM2)")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("HF_PAGED_API_KEY"),
-                        help="require 'Authorization: Bearer <key>' (default: $HF_PAGED_API_KEY)")
-    parser.add_argument("--served-model-name", default=None, help="the model id clients pass (default: the path)")
-    parser.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 429")
-    parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
-    for name, flag, default, help in Limits.flags():  # the request caps: one definition, in openai_protocol.Limits
-        parser.add_argument(flag, dest=name, type=int, default=default, help=f"{help} (default {default})")
-    EngineConfig.add_cli_args(parser, ["max_num_seqs", "num_blocks", "block_size"])  # one definition, too
-    parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
-    parser.add_argument("--num-prefill", type=int, default=None,
-                        help="serve over disaggregated workers: prefill processes (default 1 with --num-decode)")
-    parser.add_argument("--num-decode", type=int, default=None,
-                        help="serve over disaggregated workers: decode processes (default 1 with --num-prefill)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="split the model over this many ranks (processes this command starts; gloo on CPU, "
-                             "NCCL on GPU) with transformers' tensor parallelism; this process is rank 0")
-    parser.add_argument("--data-parallel-size", type=int, default=1,
-                        help="serve this many replicas of the model (one process each, each tensor-parallel with "
-                             "--tensor-parallel-size), each request routed to one by prefix-cache affinity, then load")
-    for role in ("prefill", "decode"):
-        parser.add_argument(f"--{role}-tensor-parallel-size", type=int, default=None,
-                            help=f"with --num-prefill/--num-decode: ranks per {role} worker (default "
-                                 "--tensor-parallel-size); each KV head moves once, from the prefill rank holding it "
-                                 "to the decode rank that needs it")
-    args = parser.parse_args(argv)
-    for flag in ("tensor_parallel_size", "data_parallel_size", "prefill_tensor_parallel_size",
-                 "decode_tensor_parallel_size"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
-    is_split = args.num_prefill is not None or args.num_decode is not None
-    data_parallel = args.data_parallel_size > 1
-    is_disaggregated = is_split or data_parallel  # served by worker processes
-    pool_sizes = tuple(args.tensor_parallel_size if n is None else n
-                       for n in (args.prefill_tensor_parallel_size, args.decode_tensor_parallel_size))
-    if not is_split and (args.prefill_tensor_parallel_size or args.decode_tensor_parallel_size):
-        parser.error("--prefill-tensor-parallel-size/--decode-tensor-parallel-size size the pools of "
-                     "--num-prefill/--num-decode; without them, use --tensor-parallel-size")
-    if max(args.tensor_parallel_size, *pool_sizes) > 1 and tensor_parallel is None:
-        parser.error("--tensor-parallel-size is wired by the hf-paged command (python -m hf_paged.cli serve)")
-    if is_split and data_parallel:
-        parser.error("--data-parallel-size does not combine with --num-prefill/--num-decode (add decode workers "
-                     "with --num-decode instead)")
-    if is_disaggregated and disaggregated is None:
-        parser.error("--num-prefill/--num-decode/--data-parallel-size are wired by the hf-paged command "
-                     "(python -m hf_paged.cli serve)")
-    try:  # before loading anything: an empty key would open every route
-        check_api_key(args.api_key)
-        limits = Limits(**{name: getattr(args, name) for name, _, _, _ in Limits.flags()})
-    except ValueError as exc:
-        parser.error(str(exc))
-    import uvicorn
-
-    _require()
-    ranks = []  # the tensor-parallel ranks this process starts (--tensor-parallel-size)
-    bound_cpu_kernel_caches()  # before the first forward: a server's RSS stays flat (worker/cpu_caches.py)
-    if is_disaggregated:  # the workers load the model; this process only tokenises
-        _, tokenizer = ModelFromPath(args.model)(tokenizer_only=True)
-        if tokenizer is None:
-            parser.error(f"{args.model} has no tokenizer")
-        engine_kwargs = EngineConfig.from_cli_args(args, max_model_len=args.max_model_len).engine_kwargs()
-        if data_parallel:  # replicas: every worker runs whole requests, each at --tensor-parallel-size
-            factory = (tensor_parallel.TensorParallelReplica(args.model, args.tensor_parallel_size)
-                       if args.tensor_parallel_size > 1 else ModelFromPath(args.model))
-            client = disaggregated(factory, tokenizer=tokenizer, num_prefill=0, num_decode=args.data_parallel_size,
-                                   engine_kwargs=engine_kwargs)
-        else:  # prefill and decode pools, each at its own size
-            factory = (tensor_parallel.TensorParallelReplica(args.model) if max(pool_sizes) > 1
-                       else ModelFromPath(args.model))
-            client = disaggregated(factory, tokenizer=tokenizer,
-                                   num_prefill=1 if args.num_prefill is None else args.num_prefill,
-                                   num_decode=1 if args.num_decode is None else args.num_decode,
-                                   engine_kwargs=engine_kwargs, prefill_tensor_parallel_size=pool_sizes[0],
-                                   decode_tensor_parallel_size=pool_sizes[1])
-        limit = args.max_model_len or min(client.max_model_len or 2048, 8192)
-    else:
-        if args.tensor_parallel_size > 1:  # ranks 1.. start now: every rank loads its shard at once
-            ranks = tensor_parallel.start_ranks(args.model, args.tensor_parallel_size, EngineConfig.from_cli_args(
-                args, max_model_len=args.max_model_len).engine_kwargs())
-        source = ModelFromPath(args.model, args.tensor_parallel_size)
-        model, tokenizer = source()
-        if tokenizer is None:
-            parser.error(f"{args.model} has no tokenizer")
-        processor = source.processor()  # images in chat messages, for a vision-language model
-        if processor is not None:
-            from ..optional import require
-
-            require("PIL", what="serving a vision-language model's images")  # at start, not per request
-        model = model.eval()
-        text_config = model.config.get_text_config(decoder=True)
-        limit = args.max_model_len or min(default_max_model_len(text_config) or 2048, 8192)
-        engine = Engine(model, tokenizer, **EngineConfig.from_cli_args(args, max_model_len=limit).engine_kwargs(),
-                        show_progress=False)
-        client = AsyncEngine(engine)
-    name = args.served_model_name or ("default" if args.model == "default" else args.model)
-    server = Server(client, tokenizer, name, api_key=args.api_key,
-                    limits=dataclasses.replace(limits, max_model_len=limit), max_waiting=args.max_waiting,
-                    processor=None if is_disaggregated else processor)
-    if args.api_key is None and args.host not in LOOPBACK:
-        print(f"WARNING: hf-paged serve listens on {args.host} without --api-key: anyone who can reach it can use "
-              "it", file=sys.stderr, flush=True)
-    config = uvicorn.Config(server.app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.grace, limit_concurrency=None)
-    print(f"hf-paged serve: {name} on http://{args.host}:{args.port}", flush=True)
-    # uvicorn drains on SIGTERM, then re-raises it under the handler it found: a no-op, so that a
-    # drained shutdown exits 0 instead of dying of the signal.
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight requests, return
-    asyncio.run(client.shutdown(drain=False))
-    if ranks:
-        tensor_parallel.stop_ranks(ranks)  # they stopped following when the engine shut down
-    return 0

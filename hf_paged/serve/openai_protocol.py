@@ -5,6 +5,12 @@ Every malformed or hostile body ends here as an `APIError` with OpenAI's status 
 `decode_body` turns the raw bytes into JSON (invalid UTF-8, invalid JSON, number literals Python
 refuses and lone surrogates are 400s), `parse` checks every field against `Limits`, whose caps bound
 what one request can cost (each cap is a server flag, and its 400 names the flag).
+
+`max_tokens` defaults as OpenAI's and vLLM's do: a chat request that gives none may generate the rest
+of the context (`max_model_len` minus its prompt), a completion request 16 tokens (`max_tokens_for`,
+the one definition, resolved once the prompt is tokenised). vLLM's sampling extensions that the engine
+has (`SAMPLING_FIELDS`: `top_k`, `min_p`, `repetition_penalty`, ..., what openai-client users send in
+`extra_body`) are accepted on both routes, with vLLM's ranges.
 """
 
 from __future__ import annotations
@@ -20,31 +26,48 @@ from . import tool_calls, tools
 from .api_error import APIError
 
 
-def _cap(default: int, help: str):
+def _cap(default: int | None, help: str):
     return field(default=default, metadata={"help": help})
+
+
+# OpenAI's default max_tokens of a legacy completions request (vLLM's too); chat's is the rest of the context.
+COMPLETION_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
 class Limits:
     """What one request may ask for. Every field but `max_model_len` (the model's) is also a flag of
     `hf-paged serve` (`max_stop_chars` -> `--max-stop-chars`), with the default given here, and a
-    request over a cap gets a 400 that names the flag."""
+    request over a cap gets a 400 that names the flag.
+
+    `max_tokens` None means the context: it becomes `max_model_len` (a request may ask up to what its
+    prompt leaves). `default_max_tokens` None means OpenAI's defaults (`max_tokens_for`)."""
 
     max_body_bytes: int = _cap(1 << 20, "largest request body in bytes (413 above)")
     max_model_len: int = 2048
-    max_tokens: int = _cap(1024, "largest max_tokens a request may ask")
-    default_max_tokens: int = _cap(16, "max_tokens of a request that gives none")
+    max_tokens: int | None = _cap(None, "most tokens one request may generate: a larger max_tokens is a 400, and "
+                                        "a request that gives none gets at most this (default: no cap but the "
+                                        "context, --max-model-len)")
+    default_max_tokens: int | None = _cap(None, "max_tokens of a request that gives none (default: OpenAI's and "
+                                                "vLLM's: the rest of the context, max_model_len minus the prompt, "
+                                                f"for chat; {COMPLETION_MAX_TOKENS} for completions); never more "
+                                                "than the prompt leaves, nor than --max-tokens")
     max_n: int = _cap(8, "most samples (n) per request")
     max_stop: int = _cap(4, "most stop strings per request (OpenAI's 4)")
     max_stop_chars: int = _cap(1024, "longest stop string, in characters")
     max_logit_bias: int = _cap(1024, "most logit_bias entries per request")
     max_logprobs: int = _cap(20, "most top_logprobs per token (completions: at most 5, OpenAI's)")
+    max_stop_token_ids: int = _cap(64, "most stop_token_ids per request")
 
     def __post_init__(self):
         for f in fields(self):
             value = getattr(self, f.name)
+            if value is None and f.name in ("max_tokens", "default_max_tokens"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Limits.{f.name} must be a positive integer, got {value!r}")
+        if self.max_tokens is None:  # no cap but the context (the OpenAPI document reads a number)
+            object.__setattr__(self, "max_tokens", self.max_model_len)
 
     @staticmethod
     def flags() -> list[tuple[str, str, int, str]]:
@@ -64,9 +87,19 @@ class Parsed:
     model: str
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
-    max_tokens: int = 16
+    # As asked (None: not given); the server sets what the request may generate once the prompt is
+    # tokenised (`max_tokens_for`).
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    # vLLM's sampling extensions (`SAMPLING_FIELDS`), with the engine's "off" values.
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
     n: int = 1
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
@@ -89,6 +122,11 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                          "parallel_tool_calls"}
+# vLLM's sampling parameters beyond OpenAI's (`extra_body` of the openai client), on both routes: those
+# `SamplingParams` has. vLLM's others (best_of, beam search, bad_words, allowed_token_ids, prompt_logprobs,
+# include_stop_str_in_output, ...) stay unknown fields (400).
+SAMPLING_FIELDS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos",
+                   "skip_special_tokens"}
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -127,7 +165,7 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int,
     `tool_format`: how the served model writes tool calls (`tool_calls.format_for_template`)."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_json_type(body)}")
-    allowed = COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS
+    allowed = (COMPLETION_FIELDS if kind == "completion" else CHAT_FIELDS) | SAMPLING_FIELDS
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise APIError(400, f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
@@ -139,11 +177,12 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int,
                        code="model_not_found")
     p = Parsed(kind=kind, model=model, tool_format=tool_format)
     key = "max_completion_tokens" if kind == "chat" and "max_completion_tokens" in body else "max_tokens"
-    p.max_tokens = _int(body, key, min(limits.default_max_tokens, limits.max_tokens), 1, limits.max_tokens)
+    p.max_tokens = _int(body, key, None, 1, limits.max_tokens)
     p.temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     p.top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
     if p.top_p == 0.0:
         raise APIError(400, "'top_p' must be greater than 0", param="top_p")
+    _sampling(p, body, limits, vocab_size)
     p.n = _int(body, "n", 1, 1, limits.max_n)
     p.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     p.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
@@ -173,6 +212,87 @@ def parse(kind: str, body, models: list[str], limits: Limits, vocab_size: int,
         p.messages = _messages(body.get("messages"))
     _structured(p, body)
     return p
+
+
+def max_tokens_for(p: Parsed, num_prompt_tokens: int, limits: Limits) -> int:
+    """The most tokens a request generates: the one definition of `max_tokens` and its defaults.
+
+    Asked for (`max_tokens`, `max_completion_tokens`): that, if the prompt leaves room for it (else a
+    400, as OpenAI and vLLM answer). Not asked for: `--default-max-tokens` if the server sets one, else
+    OpenAI's and vLLM's defaults, the rest of the context for chat and `COMPLETION_MAX_TOKENS` for
+    completions; either way at most what the prompt leaves and `--max-tokens`.
+
+    Raises:
+        APIError: 400 when the prompt leaves too little room, or `min_tokens` is more than the result.
+    """
+    room = limits.max_model_len - num_prompt_tokens
+    where = "messages" if p.kind == "chat" else "prompt"
+    if p.max_tokens is not None and p.max_tokens > room:
+        raise APIError(400, f"this model's context is {limits.max_model_len} tokens; the prompt has "
+                            f"{num_prompt_tokens} and max_tokens asks for {p.max_tokens} more",
+                       param=where, code="context_length_exceeded")
+    if room < 1:
+        raise APIError(400, f"this model's context is {limits.max_model_len} tokens; the prompt has "
+                            f"{num_prompt_tokens}, which leaves no room to generate", param=where,
+                       code="context_length_exceeded")
+    if p.max_tokens is not None:
+        max_tokens = p.max_tokens
+    else:
+        default = limits.default_max_tokens or (room if p.kind == "chat" else COMPLETION_MAX_TOKENS)
+        max_tokens = min(default, limits.max_tokens, room)
+    if p.min_tokens > max_tokens:
+        raise APIError(400, f"'min_tokens' ({p.min_tokens}) must be at most max_tokens ({max_tokens})",
+                       param="min_tokens")
+    return max_tokens
+
+
+def describe_defaults(limits: Limits) -> str:
+    """`max_tokens`' policy in words (the server's start-up banner)."""
+    if limits.default_max_tokens is None:
+        default = f"chat: the rest of the context, completions: {COMPLETION_MAX_TOKENS}"
+    else:
+        default = f"{limits.default_max_tokens} (--default-max-tokens)"
+    cap = ("no cap but the context" if limits.max_tokens >= limits.max_model_len
+           else f"at most {limits.max_tokens} (--max-tokens)")
+    return f"max_tokens when not given: {default}; {cap}"
+
+
+def _sampling(p: Parsed, body: dict, limits: Limits, vocab_size: int) -> None:
+    """vLLM's sampling extensions, with vLLM's ranges: top_k -1 or 0 is off, min_p in [0, 1],
+    repetition_penalty > 0 (1 is off), min_tokens at most max_tokens (`max_tokens_for`)."""
+    top_k = _int(body, "top_k", 0, -1, 2**31 - 1)
+    p.top_k = 0 if top_k == -1 or top_k >= vocab_size else top_k  # every token kept: off
+    p.min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    p.repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, math.inf)
+    if p.repetition_penalty == 0.0:
+        raise APIError(400, "'repetition_penalty' must be greater than 0 (1 is off)", param="repetition_penalty")
+    p.min_tokens = _int(body, "min_tokens", 0, 0, limits.max_model_len)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "'stop_token_ids' must be an array of token ids", param="stop_token_ids")
+        if len(ids) > limits.max_stop_token_ids:
+            raise APIError(400, f"'stop_token_ids' takes at most {limits.max_stop_token_ids} ids (the server's "
+                                f"{_flag('max_stop_token_ids')}), got {len(ids)}", param="stop_token_ids")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"'stop_token_ids' holds ids outside the vocabulary [0, {vocab_size}): {bad[:5]}",
+                           param="stop_token_ids")
+        p.stop_token_ids = list(dict.fromkeys(ids))
+    p.ignore_eos = _bool(body, "ignore_eos", False)
+    p.skip_special_tokens = _bool(body, "skip_special_tokens", True)
+
+
+def sampling_schema(limits: Limits, vocab_size: int) -> dict:
+    """The OpenAPI properties of `SAMPLING_FIELDS`, with the ranges `parse` checks."""
+    return {"top_k": {"type": "integer", "minimum": -1, "maximum": 2**31 - 1},
+            "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+            "repetition_penalty": {"type": "number", "exclusiveMinimum": True, "minimum": 0},
+            "min_tokens": {"type": "integer", "minimum": 0, "maximum": limits.max_model_len},
+            "stop_token_ids": {"type": "array", "maxItems": limits.max_stop_token_ids,
+                               "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}},
+            "ignore_eos": {"type": "boolean"},
+            "skip_special_tokens": {"type": "boolean"}}
 
 
 def _structured(p: Parsed, body: dict) -> None:

@@ -5,7 +5,7 @@ the server enforces. Torch-free.
 
 from __future__ import annotations
 
-from .openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS, ROLES, Limits
+from .openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS, ROLES, SAMPLING_FIELDS, Limits, sampling_schema
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 _NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
@@ -19,8 +19,8 @@ _TOOL = {"type": "object", "required": ["type", "function"], "additionalProperti
 def openapi_document(model_name: str, limits: Limits, vocab_size: int) -> dict:
     """OpenAPI 3.0 for `hf-paged serve`: every route, every request field with its caps, and every
     status a route answers (with OpenAI's error body for each 4xx/5xx)."""
-    completion = _request_schema(COMPLETION_FIELDS, model_name, limits, vocab_size, chat=False)
-    chat = _request_schema(CHAT_FIELDS, model_name, limits, vocab_size, chat=True)
+    completion = _request_schema(COMPLETION_FIELDS | SAMPLING_FIELDS, model_name, limits, vocab_size, chat=False)
+    chat = _request_schema(CHAT_FIELDS | SAMPLING_FIELDS, model_name, limits, vocab_size, chat=True)
     return {
         "openapi": "3.0.3",
         "info": {"title": "hf-paged serve", "version": "1",
@@ -109,6 +109,7 @@ def _request_schema(names: set[str], model_name: str, limits: Limits, vocab_size
                  "type": "object", "required": ["name"], "additionalProperties": False,
                  "properties": {"name": _NAME, "description": {"type": "string"}, "schema": {"type": "object"},
                                 "strict": {"type": "boolean", "nullable": True}}}}}]},
+        **sampling_schema(limits, vocab_size),  # vLLM's extensions (`extra_body`), with the ranges parse checks
     }
     if chat:
         props["messages"] = {"type": "array", "minItems": 1, "items": {

@@ -11,14 +11,23 @@ A `ToolCallFormat` says how one call is written:
     mistral_args [TOOL_CALLS]NAME[ARGS]{...}                                          (templates with [ARGS])
 
 `format_for_template` picks it from the chat template. `constraint` builds the xgrammar structural
-tag: free text (under "auto"), and wherever the format's trigger appears, a call of one of the tools
+tag: under "auto", free text and, wherever the format's trigger appears, a call of one of the tools
 whose arguments are held to its `parameters` schema (at most one whitespace character between JSON
-tokens). `ToolCallParser` follows the text through the same parts: free text, a call's opening, the
+tokens); under "required" or a named function the grammar starts AT the call (the first token is the
+call's opening), so the answer is calls only and its `content` is null, as OpenAI answers.
+`ToolCallParser` follows the text through the same parts: free text, a call's opening, the
 name, the arguments (a JSON scanner that tracks strings, escapes and nesting, so a `</tool_call>`
 inside an argument string is argument text), the close. It yields OpenAI's streaming deltas as the
 text arrives: a call's id and name once its name is whole, then its arguments piece by piece. The
 non-streamed answer is the same parser run over the whole text, so the streamed arguments join to
 exactly the non-streamed ones.
+
+An answer cut short (`finish_reason` "length", or aborted) never shows markup as content: a call whose
+name is whole is returned with the arguments it has (finish reason "length"; OpenAI returns such a
+truncated call too, and the stream has already sent its name), an opening cut before its name is
+whole is dropped, as is a possible opening held back at the end of the text. (vLLM's Hermes parser
+returns the whole raw text as content when a call's JSON does not parse; its stream, like this one,
+keeps the partial call.)
 """
 
 from __future__ import annotations
@@ -42,11 +51,13 @@ class ToolCallFormat:
     end: str
     # The markers that are single special tokens in a tokenizer (the text must keep them to be parsed).
     markers: tuple[str, ...] = ()
+    # What goes between two calls when the answer is calls only ("required"): the template's own join.
+    separator: str = ""
 
 
 HERMES = ToolCallFormat("hermes", "<tool_call>", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>",
-                        ("<tool_call>", "</tool_call>"))
-LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '{"name": "', '", "parameters": ', "}")
+                        ("<tool_call>", "</tool_call>"), separator="\n")
+LLAMA3_JSON = ToolCallFormat("llama3_json", '{"name": "', '{"name": "', '", "parameters": ', "}", separator="; ")
 MISTRAL = ToolCallFormat("mistral", "[TOOL_CALLS]", '[TOOL_CALLS][{"name": "', '", "arguments": ', "}]",
                          ("[TOOL_CALLS]",))
 MISTRAL_ARGS = ToolCallFormat("mistral_args", "[TOOL_CALLS]", "[TOOL_CALLS]", "[ARGS]", "", ("[TOOL_CALLS]", "[ARGS]"))
@@ -69,10 +80,16 @@ def format_for_template(template) -> ToolCallFormat:
     return HERMES
 
 
+def forces_calls(choice) -> bool:
+    """Whether `choice` makes the answer tool calls only ("required" or a named function)."""
+    return choice == "required" or isinstance(choice, dict)
+
+
 def constraint(fmt: ToolCallFormat, given: list[dict], choice, parallel: bool) -> StructuredOutputs | None:
-    """The structural tag that holds an answer to `fmt`'s calls of the `given` tools under `choice`
-    ("none": None, "auto", "required", or {"name": ...}: that one call and nothing else); `parallel`
-    False allows one call at most under every choice (nothing follows it)."""
+    """The structural tag that holds an answer to `fmt`'s calls of the `given` tools under `choice`:
+    "none": None; "auto": text, and calls wherever the trigger appears; "required": one call or more
+    from the first token on (joined by `fmt.separator`), nothing else; {"name": ...}: that one call and
+    nothing else. `parallel` False allows one call at most under every choice (nothing follows it)."""
     if choice == "none":
         return None
     chosen = [t for t in given if not isinstance(choice, dict) or t["function"]["name"] == choice["name"]]
@@ -82,9 +99,13 @@ def constraint(fmt: ToolCallFormat, given: list[dict], choice, parallel: bool) -
              "end": fmt.end} for t in chosen]
     if isinstance(choice, dict):  # a named function: exactly that one call, as OpenAI and vLLM answer it
         return StructuredOutputs(structural_tag={"type": "structural_tag", "format": tags[0]})
+    if choice == "required":  # the grammar starts at the call: no text before, between or after calls
+        return StructuredOutputs(structural_tag={"type": "structural_tag", "format": {
+            "type": "tags_with_separator", "tags": tags, "separator": fmt.separator,
+            "at_least_one": True, "stop_after_first": not parallel}})
     return StructuredOutputs(structural_tag={"type": "structural_tag", "format": {
         "type": "triggered_tags", "triggers": [fmt.trigger], "tags": tags,
-        "at_least_one": choice != "auto", "stop_after_first": not parallel}})
+        "at_least_one": False, "stop_after_first": not parallel}})
 
 
 class _JSONScan:
@@ -122,12 +143,18 @@ class ToolCallParser:
     `feed(text)` returns OpenAI chat deltas: `{"content": ...}`, a call's opening
     `{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": ""}}]}`, and
     its argument pieces `{"tool_calls": [{"index", "function": {"arguments": ...}}]}`. Text that may
-    still become a call's opening is held back until it is decided. `finish()` returns the last deltas;
-    `content` and `calls` then hold the whole answer.
+    still become a call's opening is held back until it is decided; all other text is sent at once.
+    `finish(cut)` returns the last deltas; `content` and `calls` then hold the whole answer.
+
+    Args:
+        fmt: how the model writes a call.
+        calls_only: the grammar allows calls only (`forces_calls`): the text between calls (the
+            separator) is no content, and no content delta is sent.
     """
 
-    def __init__(self, fmt: ToolCallFormat):
+    def __init__(self, fmt: ToolCallFormat, calls_only: bool = False):
         self.fmt = fmt
+        self.calls_only = calls_only
         self.state = "text"  # text -> begin -> name -> arguments -> end -> text
         self.pending = ""  # text received, not yet placed
         self.content = ""
@@ -141,11 +168,13 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> list[dict]:
-        """The end of the text: what is still held is content (an unfinished opening is not a call; an
-        unfinished call keeps the arguments it has)."""
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The end of the text. A call cut in its arguments keeps the arguments it has; an opening cut
+        before its name is whole is dropped (it is markup, and names no call). Text held back as a
+        possible opening is content if the answer ended by itself, dropped if it was `cut` short (a
+        "length" or aborted finish)."""
         out: list[dict] = []
-        if self.state in ("text", "begin", "name") and self.pending:
+        if self.state == "text" and self.pending and not cut:
             self._text(self.pending, out)
         elif self.state == "arguments" and self.pending:
             self._arguments(self.pending, out)
@@ -214,7 +243,7 @@ class ToolCallParser:
         return True
 
     def _text(self, text: str, out: list[dict]) -> None:
-        if text:
+        if text and not self.calls_only:
             self.content += text
             out.append({"content": text})
 
@@ -232,11 +261,13 @@ def _held_prefix(text: str, trigger: str) -> int:
     return 0
 
 
-def split(text: str, fmt: ToolCallFormat) -> tuple[str | None, list[dict]]:
-    """The content (None when only whitespace) and `tool_calls` of a whole answer."""
-    parser = ToolCallParser(fmt)
+def split(text: str, fmt: ToolCallFormat, calls_only: bool = False, cut: bool = False
+          ) -> tuple[str | None, list[dict]]:
+    """The content and `tool_calls` of a whole answer (`ToolCallParser`'s `calls_only` and `cut`). The
+    content is None beside calls when it is only whitespace, and None when all the text was markup."""
+    parser = ToolCallParser(fmt, calls_only)
     parser.feed(text)
-    parser.finish()
+    parser.finish(cut)
     if not parser.calls:
-        return text, []
+        return (parser.content if parser.content or not text else None), []
     return parser.content.strip() or None, parser.calls

@@ -8,8 +8,9 @@ token that would break them:
 * `tools` with `tool_choice`: each call is written in the model's own form (`tool_calls.py`: Hermes /
   Qwen `<tool_call>`, Llama 3 JSON, Mistral `[TOOL_CALLS]`), the arguments held to the function's
   `parameters` schema by an xgrammar structural tag. `"auto"` lets the model write text or calls,
-  `"required"` makes it call at least one tool, `{"type": "function", "function": {"name": ...}}` makes
-  it call that one, `"none"` leaves the output free (and unparsed); `parallel_tool_calls: false` allows
+  `"required"` makes it call at least one tool and nothing else (the grammar starts at the call, so
+  `content` is null), `{"type": "function", "function": {"name": ...}}` makes it call that one (content
+  null too), `"none"` leaves the output free (and unparsed); `parallel_tool_calls: false` allows
   one call at most under each of them. The answer's `tool_calls` are read back along the same
   structure (`tool_calls.ToolCallParser`), streamed as OpenAI streams them.
 
@@ -231,10 +232,12 @@ def template_inputs(messages: list[dict], given: list[dict] | None, template) ->
 
 def answer(text: str, reason: str | None, choice, fmt: tool_calls.ToolCallFormat) -> tuple[dict, str | None]:
     """An answer's chat `message` fields (content, and `tool_calls` when the model called tools under
-    `choice`), and its finish reason ("tool_calls" for one that ended by calling)."""
+    `choice`), and its finish reason ("tool_calls" for one that ended by calling). Under "required" or a
+    named function the content is None; an answer cut short keeps no markup in its content
+    (`tool_calls.ToolCallParser.finish`)."""
     if choice == "none":
         return {"content": text}, reason
-    content, calls = tool_calls.split(text, fmt)
+    content, calls = tool_calls.split(text, fmt, tool_calls.forces_calls(choice), cut=reason != "stop")
     if not calls:
         return {"content": content}, reason
     return {"content": content, "tool_calls": calls}, ("tool_calls" if reason == "stop" else reason)

@@ -82,6 +82,15 @@ def test_ensure_checkpoint_converts_once_into_place(fake_conversion, tmp_path):
     assert len(fake_conversion) == 1
 
 
+def test_first_run_conversion_says_what_it_is_doing(fake_conversion, capsys):
+    """The first run pauses for half a minute: it says so on stderr (once), not only in transformers' bars."""
+    target = models.ensure_default_checkpoint()
+    err = capsys.readouterr().err
+    assert "first run: converting the default model" in err and str(target) in err and "ready in" in err
+    models.ensure_default_checkpoint()
+    assert capsys.readouterr().err == ""  # converted once, said once
+
+
 def test_ensure_checkpoint_crash_leaves_no_partial_checkpoint(fake_conversion, monkeypatch, tmp_path):
     def crash(gguf_path, out_dir):
         (out_dir / "config.json").write_text("{}")

@@ -30,7 +30,7 @@ Each family ends in one class (`Outcome.kind`):
 - different    tokens or logits differ from stock's (a defect);
 - crash        hf_paged failed with anything but a clear refusal (a defect).
 
-`python tests/hf/family_sweep.py [TYPE ...] [--workers=N]` prints the table the README's architecture
+`python tests/hf/family_sweep.py [TYPE ...] [--workers=N]` prints the table docs/models.md's architecture
 list is generated from (`--readme` rewrites that list).
 """
 
@@ -527,7 +527,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
 
 
 # Outcomes the sweep knows and explains, which are not (yet) identical or a clear refusal: each is an open
-# defect of hf_paged, listed in the README as such. The test fails when one changes, either way, so
+# defect of hf_paged, listed in docs/models.md as such. The test fails when one changes, either way, so
 # a fix (or a new failure) is noticed.
 KNOWN = {
 }
@@ -545,7 +545,7 @@ _KIND_TITLES = [
 
 
 def readme_block(outcomes: list[Outcome]) -> str:
-    """The README's architecture list for `outcomes` (the whole sweep), between its markers."""
+    """docs/models.md's architecture list for `outcomes` (the whole sweep), between its markers."""
     import transformers
 
     counts = {kind: sum(o.kind == kind for o in outcomes) for kind, _ in _KIND_TITLES}
@@ -696,4 +696,4 @@ if __name__ == "__main__":
     if readme:
         import pathlib
 
-        rewrite_readme(pathlib.Path(__file__).resolve().parents[2] / "README.md", readme_block(results))
+        rewrite_readme(pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md", readme_block(results))

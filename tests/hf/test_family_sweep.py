@@ -1,6 +1,6 @@
 """The standing sweep over every model family the installed transformers can generate with
 (`family_sweep.py`): each one identical to stock through hf_paged, refused clearly, or a known and
-explained open defect; and the README's architecture list is the sweep's own result."""
+explained open defect; and docs/models.md's architecture list is the sweep's own result."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import family_sweep
 from family_configs import NOT_COVERED
 from family_sweep import KNOWN, readme_block, run_sweep
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+README = pathlib.Path(__file__).resolve().parents[2] / "docs" / "models.md"  # the architecture list
 
 # The families the issue (32) names, as they must come out, and those the sweep's own runs turned up.
 MUST = {
@@ -56,7 +56,7 @@ def test_no_family_differs_or_crashes_unexplained(outcomes):
     assert not surprises, "\n".join(f"{o.kind} {o.model_type} ({o.mapping}): {o.detail}" for o in surprises)
     for (model_type, mapping), (kind, _) in KNOWN.items():  # a known defect fixed (or changed) is noticed
         got = next(o for o in outcomes if (o.model_type, o.mapping) == (model_type, mapping))
-        assert got.kind == kind, f"{model_type} ({mapping}) is now {got.kind}: update KNOWN and the README"
+        assert got.kind == kind, f"{model_type} ({mapping}) is now {got.kind}: update KNOWN and docs/models.md"
 
 
 @pytest.mark.parity
@@ -89,7 +89,7 @@ def test_refusals_name_hf_paged_and_what_to_use(outcomes):
 def test_the_readme_list_is_the_sweeps_result(outcomes):
     text = README.read_text()
     block = readme_block(outcomes)
-    assert block in text, ("README.md's architecture list is stale: run `python tests/hf/family_sweep.py --readme`\n"
+    assert block in text, ("docs/models.md's architecture list is stale: run `python tests/hf/family_sweep.py --readme`\n"
                            + block)
 
 

@@ -94,10 +94,12 @@ def test_a_partial_last_record_is_dropped_before_resuming(tmp_path):
     assert out.read_text().endswith("}\n") and out.read_text().count("\n") == 2
 
 
-def test_retry_records_are_dropped_and_a_foreign_file_is_refused(tmp_path):
+def test_error_records_are_dropped_and_a_foreign_file_is_refused(tmp_path):
     out = tmp_path / "out.jsonl"
-    out.write_text(json.dumps({"index": 0}) + "\n" + json.dumps({"index": 1, "error": "boom", "retry": True}) + "\n")
-    assert done_indices(out) == {0} and out.read_text() == json.dumps({"index": 0}) + "\n"
+    records = [{"index": 0, "error": None}, {"index": 1, "error": "boom", "retry": True},
+               {"index": 2, "error": "the prompt is empty"}]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert done_indices(out) == {0} and out.read_text() == json.dumps({"index": 0, "error": None}) + "\n"
     other = tmp_path / "notes.jsonl"
     other.write_text('{"name": "x"}\n')
     with pytest.raises(ValueError, match="no integer 'index'"):
@@ -265,8 +267,13 @@ def _hostile_lines(chat: bool) -> list[tuple[bytes, str | None]]:
     ]
 
 
+def _without_errors(data: bytes) -> bytes:
+    """The records of `data` (whole lines) that a rerun keeps: those with a result."""
+    return b"".join(line for line in data.splitlines(keepends=True) if not json.loads(line)["error"])
+
+
 @pytest.mark.parametrize("chat", [False, True])
-def test_hostile_rows_get_one_error_record_each_and_a_rerun_writes_nothing(tiny, tmp_path, chat):
+def test_hostile_rows_get_one_error_record_each_and_a_rerun_retries_only_those(tiny, tmp_path, chat):
     engine, tokenizer = tiny
     lines = _hostile_lines(chat)
     rows_path = tmp_path / "rows.jsonl"
@@ -282,8 +289,9 @@ def test_hostile_rows_get_one_error_record_each_and_a_rerun_writes_nothing(tiny,
     assert records[5]["prompt"] == "smile \U0001F600"
     before = out.read_bytes()
     counts = run_job(engine, tokenizer, read_rows(rows_path), out, params, chat=chat, progress=False)
-    assert (counts["written"], counts["errors"], counts["skipped"]) == (0, 0, len(wants))
-    assert out.read_bytes() == before
+    num_errors = len(wants) - wants.count("ok")
+    assert (counts["written"], counts["errors"], counts["skipped"]) == (0, num_errors, wants.count("ok"))
+    assert out.read_bytes().startswith(_without_errors(before)) and _check_records(out, wants) == records
 
 
 WORD_TEXT = st.lists(st.sampled_from(WORDS), min_size=1, max_size=5).map(" ".join)
@@ -371,14 +379,16 @@ def test_any_input_gets_one_record_per_row_and_survives_a_kill(tiny, tmp_path_fa
     records = _check_records(out, wants)
     whole = out.read_bytes()
     again = run_job(engine, tokenizer, read_rows(path), out, params, chat=chat, progress=False)
-    assert (again["written"], again["errors"], again["skipped"]) == (0, 0, len(wants)) and out.read_bytes() == whole
+    num_ok = wants.count("ok")
+    assert (again["written"], again["errors"], again["skipped"]) == (0, len(wants) - num_ok, num_ok)
+    assert _check_records(out, wants) == records
     # A SIGKILL leaves a prefix of the output, its last line maybe cut short; a rerun completes it.
     killed = folder / "killed.jsonl"
     cut = whole[:int(data.draw(st.floats(0, 1), label="killed at") * len(whole))]
     killed.write_bytes(cut)
-    kept = cut[:cut.rfind(b"\n") + 1]
+    kept = _without_errors(cut[:cut.rfind(b"\n") + 1])
     run_job(engine, tokenizer, read_rows(path), killed, params, chat=chat, progress=False)
-    assert killed.read_bytes().startswith(kept)  # every record written before the kill, unchanged
+    assert killed.read_bytes().startswith(kept)  # every result written before the kill, unchanged
     assert _check_records(killed, wants) == records
 
 
@@ -423,5 +433,5 @@ def test_a_killed_run_over_hostile_rows_resumes_without_losing_a_record(model_di
     assert any(json.loads(line)["error"] for line in kept.splitlines())  # hostile rows were written
     again = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert out.read_bytes().startswith(kept)  # every record written before the kill, unchanged
+    assert out.read_bytes().startswith(_without_errors(kept))  # every result written before the kill, unchanged
     _check_records(out, wants)

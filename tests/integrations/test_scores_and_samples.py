@@ -312,9 +312,9 @@ def test_processors_that_see_the_left_padding_are_left_to_stock(engine_calls):
 def test_a_penalty_over_padded_rows_runs_stock_where_stock_penalises_the_padding(engine_calls, monkeypatch):
     """Before transformers 5.23 stock's repetition penalty counts a row's left padding as seen tokens:
     the engine never sees the padding, so such a call runs stock generate (an unpadded one still does not)."""
-    import hf_paged.integrations.batch_generate as batch_generate
+    import hf_paged.integrations.routing as routing
 
-    monkeypatch.setattr(batch_generate, "stock_penalty_skips_padding", lambda: False)
+    monkeypatch.setattr(routing, "stock_penalty_skips_padding", lambda: False)
     stock, paged = models("llama")
     input_ids, attention_mask = left_padded_batch(LENGTHS, seed=3)
     kwargs = dict(do_sample=False, repetition_penalty=1.3)

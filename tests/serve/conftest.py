@@ -23,3 +23,16 @@ def model_dir(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def served_default():
+    """`hf-paged serve default` (SmolLM2-135M-Instruct, served as "tiny", context 2048, at most 96 tokens an
+    answer), started once for the tests that need a real model's answers (structured outputs, tools)."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("openai")
+    from served import Served
+
+    s = Served("default", "--max-model-len", "2048", "--max-tokens", "96")
+    yield s
+    assert s.stop() == 0

@@ -123,6 +123,15 @@ def test_every_endpoint_but_health_needs_the_key(server, headers):
                              timeout=30).status_code == 200, path
 
 
+def test_the_start_up_banner_states_what_is_served_and_the_defaults(server):
+    banner = [line for line in server.stderr().splitlines() if line.startswith("hf-paged serve: ")]
+    assert len(banner) == 2, server.stderr()[-2000:]
+    assert banner[0].startswith("hf-paged serve: tiny (") and " on " in banner[0]  # the device and dtype
+    assert "KV pool " in banner[0] and " blocks x 16 tokens = " in banner[0] and "max_model_len 256" in banner[0]
+    assert "chat: the rest of the context, completions: 16" in banner[1] and "at most 64 (--max-tokens)" in banner[1]
+    assert f"http://127.0.0.1:{server.port}" in banner[1]
+
+
 def test_metrics_use_vllms_names(server):
     text = httpx.get(server.url + "/metrics", headers=server.headers, timeout=30).text
     for name in ("vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:prompt_tokens_total",

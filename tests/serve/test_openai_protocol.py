@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hf_paged.serve.openai_protocol import (CHAT_FIELDS, COMPLETION_FIELDS, APIError, Limits, Parsed,
+from hf_paged.serve.openai_protocol import (CHAT_FIELDS, COMPLETION_FIELDS, SAMPLING_FIELDS, APIError, Limits, Parsed,
                                             parse)
 
 VOCAB = 100
@@ -36,7 +36,7 @@ def refused(call, **fields) -> APIError:
 
 def test_defaults_of_a_minimal_completion():
     p = completion()
-    assert p == Parsed(kind="completion", model="m", prompt="hi", max_tokens=LIMITS.default_max_tokens)
+    assert p == Parsed(kind="completion", model="m", prompt="hi", max_tokens=None)  # resolved with the prompt
     assert (p.temperature, p.top_p, p.n, p.stop, p.seed, p.logprobs, p.stream) == (1.0, 1.0, 1, [], None, None, False)
 
 
@@ -218,7 +218,8 @@ def test_the_openapi_document_describes_every_field_and_cap():
     doc = openapi_document("m", limits, VOCAB)
     completion = doc["components"]["schemas"]["CompletionRequest"]
     chat = doc["components"]["schemas"]["ChatRequest"]
-    assert set(completion["properties"]) == COMPLETION_FIELDS and set(chat["properties"]) == CHAT_FIELDS
+    assert set(completion["properties"]) == COMPLETION_FIELDS | SAMPLING_FIELDS
+    assert set(chat["properties"]) == CHAT_FIELDS | SAMPLING_FIELDS
     stop = completion["properties"]["stop"]["oneOf"]
     assert stop[0]["maxLength"] == 50 and stop[1]["maxItems"] == 3
     assert completion["properties"]["logit_bias"]["maxProperties"] == 7

@@ -8,8 +8,6 @@ import json
 import jsonschema_rs
 import pytest
 
-from served import Served
-
 pytest.importorskip("xgrammar")
 pytest.importorskip("openai")
 
@@ -27,10 +25,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = Served("default", "--max-model-len", "2048", "--max-tokens", "96")
-    yield s
-    assert s.stop() == 0
+def server(served_default):
+    return served_default  # conftest's, shared with test_tools_first_hour.py
 
 
 def _json_schema_format(schema):

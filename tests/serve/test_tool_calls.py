@@ -11,7 +11,7 @@ import random
 import pytest
 
 from hf_paged.config import MAX_JSON_DEPTH
-from hf_paged.serve import tool_calls
+from hf_paged.serve import tool_calls, tools
 from hf_paged.serve.api_error import APIError
 from hf_paged.serve.openai_protocol import Limits, decode_body, parse
 from hf_paged.structured_outputs import StructuredOutputs
@@ -229,7 +229,7 @@ def _accepts(compiler, spec: StructuredOutputs, text: str) -> bool:
 def test_each_forms_grammar_accepts_its_calls_and_the_parser_reads_them_back(compiler, fmt):
     given = [WEATHER, TIME]
     one = fmt.begin + "get_weather" + fmt.between + '{"city": "Oslo"}' + fmt.end
-    two = one + fmt.begin + "get_time" + fmt.between + '{"zone": "CET"}' + fmt.end
+    two = one + fmt.separator + fmt.begin + "get_time" + fmt.between + '{"zone": "CET"}' + fmt.end
     for choice in ("auto", "required"):
         spec = tool_calls.constraint(fmt, given, choice, parallel=True)
         assert _accepts(compiler, spec, one) and _accepts(compiler, spec, two)
@@ -244,11 +244,65 @@ def test_parallel_tool_calls_false_allows_one_call_under_every_choice(compiler, 
     fmt = tool_calls.HERMES
     call = fmt.begin + "get_weather" + fmt.between + '{"city": "Oslo"}' + fmt.end
     spec = tool_calls.constraint(fmt, [WEATHER, TIME], choice, parallel=False)
+    two = call + fmt.separator + call
     assert _accepts(compiler, spec, call)
-    assert not _accepts(compiler, spec, call + call)
+    assert not _accepts(compiler, spec, call + call) and not _accepts(compiler, spec, two)
     # With parallel calls, "auto" and "required" take two; a named function is called once whatever.
     assert _accepts(compiler, tool_calls.constraint(fmt, [WEATHER, TIME], choice, parallel=True),
-                    call + call) != isinstance(choice, dict)
+                    two) != isinstance(choice, dict)
     body = _chat(tools=[WEATHER, TIME], parallel_tool_calls=False,
                  tool_choice={"type": "function", "function": choice} if isinstance(choice, dict) else choice)
     assert _parse(body).structured == spec
+
+
+# ------------------------------------------------------------------ issue 53: calls only, cut calls, streamed text
+@pytest.mark.parametrize("fmt", list(tool_calls.FORMATS.values()), ids=list(tool_calls.FORMATS))
+def test_required_and_named_choices_start_the_grammar_at_the_call(compiler, fmt):
+    """A prose preamble (or text after the calls) is refused from the first token: `content` is null."""
+    call = fmt.begin + "get_weather" + fmt.between + '{"city": "Oslo"}' + fmt.end
+    for choice in ("required", {"name": "get_weather"}):
+        spec = tool_calls.constraint(fmt, [WEATHER, TIME], choice, parallel=True)
+        assert _accepts(compiler, spec, call)
+        assert not _accepts(compiler, spec, "Sure. " + call) and not _accepts(compiler, spec, call + " Done.")
+        message, reason = tools.answer(call, "stop", choice, fmt)
+        assert message["content"] is None and reason == "tool_calls"
+    # "auto" still lets the model answer in text first.
+    assert _accepts(compiler, tool_calls.constraint(fmt, [WEATHER, TIME], "auto", parallel=True), "Sure. " + call)
+
+
+@pytest.mark.parametrize("fmt", list(tool_calls.FORMATS.values()), ids=list(tool_calls.FORMATS))
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_call_cut_short_never_leaves_markup_in_content(fmt, choice):
+    """Cut at every character: the content is the text before the call (or None), never a piece of the
+    markup; a call whose name is whole comes back with the arguments it has, streamed and not alike."""
+    before = "Let me check. " if choice == "auto" else ""
+    args = '{"city": "Oslo"}'
+    text = before + fmt.begin + "get_weather" + fmt.between + args + fmt.end
+    name_end = len(before + fmt.begin + "get_weather" + fmt.between)
+    for cut in range(len(before) + 1, len(text)):
+        message, reason = tools.answer(text[:cut], "length", choice, fmt)
+        assert reason == "length"
+        content = message["content"]
+        assert content is None or before.startswith(content), (cut, content)
+        calls = message.get("tool_calls", [])
+        if cut >= name_end:
+            assert [c["function"]["name"] for c in calls] == ["get_weather"]
+            assert args.startswith(calls[0]["function"]["arguments"])
+        else:
+            assert calls == []
+        parser = tool_calls.ToolCallParser(fmt, tool_calls.forces_calls(choice))
+        deltas = [d for k in range(cut) for d in parser.feed(text[k])] + parser.finish(cut=True)
+        streamed = "".join(d.get("content", "") for d in deltas)
+        assert streamed.strip() == (content or "").strip(), (cut, streamed)
+        assert not (choice == "required" and streamed)
+
+
+def test_text_streams_as_it_arrives_and_only_a_possible_opening_waits():
+    parser = tool_calls.ToolCallParser(tool_calls.HERMES)
+    for piece in ("The", " capital", " is", " Paris", "."):
+        assert parser.feed(piece) == [{"content": piece}]
+    assert parser.feed(" <tool") == [{"content": " "}]  # "<tool" may open a call: held
+    assert parser.feed("box>") == [{"content": "<toolbox>"}]
+    assert parser.feed(" <tool_call>\n{") == [{"content": " "}]
+    assert parser.feed('"name": "get_time", "arguments": ')[0]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert parser.finish(cut=True) == [] and parser.content == "The capital is Paris. <toolbox> "

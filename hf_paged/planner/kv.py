@@ -1,0 +1,113 @@
+"""KV bytes of a `ModelShape`: per token and layer, per sequence (with any fixed state), and the
+MHA / GQA / MQA / MLA / fp8 comparison of `hf-paged kv-size --compare`. The formulas are in
+`sizing`'s docstring; a layer's bytes per token come from `config.kv_bytes_per_token_layer`, the
+formula the cache itself allocates by.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..config import kv_bytes_per_token_layer, kv_scale_bytes_per_token_layer
+from .shape import GB, GiB, ModelShape, check_positive, dtype_spec
+
+
+def kv_bytes_per_layer_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
+    """Bytes one token takes in one layer: 2 * num_kv_heads * head_dim * bpe, or for MLA
+    (kv_lora_rank + qk_rope_head_dim) * bpe."""
+    spec = dtype_spec(kv_dtype)
+    if shape.is_mla:  # one latent "head" and one rope "head", each with its own scale when quantised
+        return kv_bytes_per_token_layer(1, shape.kv_lora_rank, shape.qk_rope_head_dim, spec)
+    return kv_bytes_per_token_layer(shape.num_kv_heads, shape.head_dim, shape.v_head_dim, spec)
+
+
+def kv_scale_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
+    """Of `kv_bytes_per_token`, the bytes of a quantised cache's scales (0 unquantised)."""
+    return shape.num_kv_layers * kv_scale_bytes_per_token_layer(1 if shape.is_mla else shape.num_kv_heads,
+                                                                dtype_spec(kv_dtype))
+
+
+def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
+    """Bytes one token takes across the layers that keep K/V, before any sliding-window cap:
+    2 * num_kv_layers * num_kv_heads * head_dim * bytes_per_element (MLA: see the module docstring).
+    A layer with a fixed state instead (linear attention, Mamba) adds nothing per token."""
+    return shape.num_kv_layers * kv_bytes_per_layer_token(shape, kv_dtype)
+
+
+def kv_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> int:
+    """Bytes the KV cache and fixed state of `batch_size` sequences of `seq_len` tokens hold; a
+    sliding-window layer stores min(seq_len, window) tokens."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq-len must be a non-negative integer, got {seq_len!r}")
+    check_positive(batch=batch_size)
+    per_layer = kv_bytes_per_layer_token(shape, kv_dtype)
+    tokens = sum(seq_len if w is None else min(seq_len, w) for w in shape.kv_layer_windows)
+    return batch_size * (tokens * per_layer + shape.state_bytes_per_seq)
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """One row of `hf-paged kv-size`."""
+
+    variant: str
+    num_kv_heads: int
+    kv_dtype: str
+    seq_len: int
+    batch_size: int
+    bytes_per_token: int  # payload plus, for a quantised cache, its scales
+    bytes_per_seq: int  # K/V plus the fixed state
+    total_bytes: int
+    scale_bytes_per_token: int = 0  # of bytes_per_token
+    state_bytes_per_seq: int = 0  # of bytes_per_seq: linear-attention / Mamba state, whatever the length
+
+    @property
+    def total_gb(self) -> float:
+        return self.total_bytes / GB
+
+    @property
+    def total_gib(self) -> float:
+        return self.total_bytes / GiB
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "bytes_per_seq_gb": self.bytes_per_seq / GB,
+                "bytes_per_seq_gib": self.bytes_per_seq / GiB, "total_gb": self.total_gb, "total_gib": self.total_gib}
+
+
+def kv_size(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16",
+            variant: str | None = None) -> KVSize:
+    """Per-token, per-sequence and total KV bytes of `batch_size` sequences of `seq_len` tokens."""
+    check_positive(batch=batch_size)
+    per_seq = kv_bytes(shape, seq_len, 1, kv_dtype)
+    return KVSize(variant=variant or shape.attention_kind, num_kv_heads=1 if shape.is_mla else shape.num_kv_heads,
+                  kv_dtype=dtype_spec(kv_dtype).name, seq_len=seq_len,
+                  batch_size=batch_size, bytes_per_token=kv_bytes_per_token(shape, kv_dtype),
+                  bytes_per_seq=per_seq, total_bytes=per_seq * batch_size,
+                  scale_bytes_per_token=kv_scale_bytes_per_token(shape, kv_dtype),
+                  state_bytes_per_seq=shape.state_bytes_per_seq)
+
+
+def attention_variants(shape: ModelShape, kv_dtype: str = "bfloat16") -> list[tuple[str, ModelShape, str]]:
+    """(label, shape, kv_dtype) for the side-by-side comparison: MHA, GQA, MQA, the model's MLA if it
+    has one, and the model's own attention quantised to fp8 (int8 has the same size).
+
+    Raises:
+        ValueError: the model has no attention layers to compare.
+    """
+    if not shape.num_kv_layers:
+        raise ValueError(f"{shape.name} has no attention layers: no attention variants to compare")
+    heads = shape.num_attention_heads
+    gqa = shape.num_kv_heads if 1 < shape.num_kv_heads < heads and not shape.is_mla else 8
+    rows = [("MHA", shape.with_kv_heads(heads), kv_dtype)]
+    if 1 < gqa < heads and heads % gqa == 0:
+        rows.append((f"GQA-{gqa}", shape.with_kv_heads(gqa), kv_dtype))
+    rows.append(("MQA", shape.with_kv_heads(1), kv_dtype))
+    if shape.is_mla:
+        rows.append(("MLA", shape, kv_dtype))
+    if not dtype_spec(kv_dtype).is_quantized:
+        rows.append((f"{shape.attention_kind} fp8", shape, "fp8_e4m3"))
+    return rows
+
+
+def compare_kv(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> list[KVSize]:
+    """`kv_size` for every entry of `attention_variants`."""
+    return [kv_size(s, seq_len, batch_size, dt, variant=label) for label, s, dt in attention_variants(shape, kv_dtype)]

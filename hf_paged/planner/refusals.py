@@ -1,0 +1,87 @@
+"""Whether hf_paged can serve a model yet, from its config alone (torch-free), so the planner says so
+instead of planning sequences for a model that would be refused at load.
+
+Two sources, the same ones `integrations.load_check` asks at load:
+
+* the config: layer kinds other than `config.SUPPORTED_LAYER_TYPES` (the one definition `hf.support`
+  uses too), cross-attention layers, cross-layer KV sharing, an encoder-decoder, no attention heads
+  (`hf.support.check_decoder_supported`, read here from the dict);
+* the model class, which a config cannot show: `NOT_ROUTED` (`hf.support.attention_refusal`: its
+  modules compute attention themselves), `CACHED_KV` (`hf.support.cached_kv_refusal`: its attention
+  computes with the K/V its cache returns) and `REFUSED_AT_RUN` (refused by the family sweep,
+  `tests/hf/family_sweep.py`, at their first forward), recorded on the transformers release checked
+  last; `tests/planner/test_layer_kinds.py` checks the first two against `hf.support`.
+"""
+
+from __future__ import annotations
+
+from ..config import SUPPORTED_LAYER_TYPES
+from .configs import family, text_config
+from .layers import MIXERLESS_KINDS, layer_kinds
+
+NOT_ROUTED = frozenset({
+    "bailing_hybrid", "bamba", "big_bird", "biogpt", "blip", "bloom", "blt", "cpmant", "deepseek_vl",
+    "deepseek_vl_hybrid", "evolla", "falcon", "falcon_h1", "falcon_mamba", "git", "gpt_neo", "gpt_neox_japanese",
+    "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_mm_model", "inkling_text", "jamba",
+    "janus", "kimi_linear", "lara_mini", "mamba", "mamba2", "megatron-bert", "minicpm_ocr", "minicpmv4_6",
+    "minicpmv4_7", "mpt", "nemotron_h", "nemotron_h_omni", "olmo_hybrid", "openai-gpt", "qwen3_5", "qwen3_5_moe",
+    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "reformer", "rembert",
+    "roformer", "rwkv", "stablelm", "trocr", "xglm", "xlm", "xlnet", "xlstm", "zamba2",
+})
+CACHED_KV = frozenset({
+    "diffllama", "doge", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text",
+    "hrm_text", "idefics", "jetmoe", "kolibri1_1", "pi05",
+})
+REFUSED_AT_RUN = {
+    "dory": "it runs a layer several times, keeping K/V per pass in copies of the cache's layers",
+    "mimo_v2_flash": "its layers differ in K/V shape (a sliding layer's KV heads are not a full layer's)",
+    "nemotron": "its decoder layers do not pass the step's metadata on to attention",
+    "phi4_multimodal": "its longrope recomputes the cache past original_max_position_embeddings",
+    "deepseek_ocr2": "one of its modules picks its attention class from a table of its own",
+}
+_NOT_ROUTED = "its transformers class computes attention itself instead of calling transformers' attention interface"
+_CACHED_KV = "its attention computes with the K/V its cache returns, and paged blocks are not dense K/V"
+
+
+def refusal(config: dict) -> str | None:
+    """Why hf_paged cannot serve the model of `config` (a config.json dict) yet, or None when nothing
+    in the config or the recorded classes says so."""
+    c = text_config(config)
+    reasons = []
+    if config.get("is_encoder_decoder") or c.get("is_encoder_decoder"):
+        reasons.append("an encoder-decoder (hf_paged serves decoder-only models)")
+    try:
+        kinds = layer_kinds(c)
+    except (KeyError, TypeError, ValueError):
+        kinds = ()
+    counts: dict[str, int] = {}
+    for kind in kinds:
+        if kind not in SUPPORTED_LAYER_TYPES:
+            counts[kind] = counts.get(kind, 0) + 1
+    if set(counts) - MIXERLESS_KINDS:  # Nemotron-H's MLP-only layers come with its Mamba layers: name those
+        counts = {kind: n for kind, n in counts.items() if kind not in MIXERLESS_KINDS}
+    if counts:
+        listed = " and ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
+        reasons.append(f"{listed} layers (of {len(kinds)}), and hf_paged serves only "
+                       f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers")
+    if c.get("cross_attention_layers") or config.get("cross_layer_interval") is not None:
+        reasons.append("cross-attention layers (K/V of an image or encoder beside the tokens')")
+    if c.get("num_kv_shared_layers") or c.get("kv_sharing_modes"):
+        reasons.append("cross-layer KV sharing (a layer that reads another layer's K/V)")
+    if not reasons and c.get("num_attention_heads") is None and c.get("num_key_value_heads") is None:
+        reasons.append("no attention heads in its config")
+    if not reasons:  # what the config shows comes first; the class's reason only where it shows nothing
+        for model_type in dict.fromkeys(t for t in (config.get("model_type"), c.get("model_type")) if t):
+            reason = _class_refusal(model_type) or _class_refusal(family(model_type))
+            if reason:
+                reasons.append(f"model_type {model_type!r}: {reason}")
+                break
+    return "; ".join(reasons) or None
+
+
+def _class_refusal(model_type: str) -> str | None:
+    if model_type in NOT_ROUTED:
+        return _NOT_ROUTED
+    if model_type in CACHED_KV:
+        return _CACHED_KV
+    return REFUSED_AT_RUN.get(model_type)
