@@ -9,6 +9,7 @@ fresh interpreter imports run a subprocess."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -230,30 +231,37 @@ TINY_LLAMA = ("LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, 
               "num_attention_heads=2, num_key_value_heads=1)")
 
 
-@pytest.mark.parametrize("order", ["hf_paged first", "transformers first", "hf_paged.engine first",
-                                   "hf_paged.integrations first"])
-def test_import_hf_paged_is_light_and_still_registers_the_attention(order):
+IMPORT_ORDERS = {"hf_paged first": "import hf_paged",
+                 "transformers first": "from transformers import AutoModelForCausalLM\nimport hf_paged",
+                 "hf_paged.engine first": "from hf_paged.engine import Engine\nimport hf_paged",
+                 "hf_paged.integrations first": "from hf_paged.integrations import jobs\nimport hf_paged"}
+
+
+def test_import_hf_paged_is_light_and_still_registers_the_attention():
     """Registration happens whichever import comes first: transformers' models (the post-import hook, or
-    at `import hf_paged` when they are already there), or an hf_paged sub-package that imports them."""
-    first = {"hf_paged first": "import hf_paged",
-             "transformers first": "from transformers import AutoModelForCausalLM\nimport hf_paged",
-             "hf_paged.engine first": "from hf_paged.engine import Engine\nimport hf_paged",
-             "hf_paged.integrations first": "from hf_paged.integrations import jobs\nimport hf_paged"}[order]
-    result = _python(f"""
-        import sys, warnings
-        warnings.simplefilter("error", RuntimeWarning)  # a failed post-import hook warns
-        {first.replace(chr(10), chr(10) + '        ')}
-        light = "torch" not in sys.modules
-        from transformers import AutoModelForCausalLM, LlamaConfig
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        import torch
-        model = AutoModelForCausalLM.from_config({TINY_LLAMA}, attn_implementation="hf_paged")
-        out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
-        from hf_paged import Engine, PagedCache
-        print(light, "hf_paged" in ALL_ATTENTION_FUNCTIONS, hf_paged.integrations.is_installed(),
-              tuple(out.shape), Engine.__name__, "Engine" in dir(hf_paged))
-    """)
-    assert result.returncode == 0, result.stderr[-3000:]
-    light, *rest = result.stdout.split()
-    assert rest == ["True", "True", "(1,", "5)", "Engine", "True"], result.stdout
-    assert light == ("True" if order == "hf_paged first" else "False")
+    at `import hf_paged` when they are already there), or an hf_paged sub-package that imports them. One
+    fresh interpreter per order, all started at once (each spends its seconds importing)."""
+    procs = {}
+    for order, first in IMPORT_ORDERS.items():
+        code = textwrap.dedent(f"""
+            import sys, warnings
+            warnings.simplefilter("error", RuntimeWarning)  # a failed post-import hook warns
+            {first.replace(chr(10), chr(10) + '            ')}
+            light = "torch" not in sys.modules
+            from transformers import AutoModelForCausalLM, LlamaConfig
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+            import torch
+            model = AutoModelForCausalLM.from_config({TINY_LLAMA}, attn_implementation="hf_paged")
+            out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+            from hf_paged import Engine, PagedCache
+            print(light, "hf_paged" in ALL_ATTENTION_FUNCTIONS, hf_paged.integrations.is_installed(),
+                  tuple(out.shape), Engine.__name__, "Engine" in dir(hf_paged))
+        """)
+        procs[order] = subprocess.Popen([sys.executable, "-c", code], cwd=ELSEWHERE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for order, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, (order, stderr[-3000:])
+        light, *rest = stdout.split()
+        assert rest == ["True", "True", "(1,", "5)", "Engine", "True"], (order, stdout)
+        assert light == ("True" if order == "hf_paged first" else "False"), order
