@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -126,27 +125,12 @@ CHECKS = {"capital ends with stop": capital, "json_schema parses": json_schema,
 
 
 def _serve() -> tuple[subprocess.Popen, str]:
-    """`hf-paged serve default` with its defaults, on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "hf_paged.cli", "serve", "default", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={k: v for k, v in os.environ.items() if k != "HF_PAGED_API_KEY"})
-    import httpx
+    """`hf-paged serve default` with its defaults: structured_check's server start, its /v1 URL."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from structured_check import serve_default
 
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the server exited")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url + "/v1"
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise TimeoutError("the server did not start")
+    proc, url = serve_default()
+    return proc, url + "/v1"
 
 
 def main() -> int:

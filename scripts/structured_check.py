@@ -79,12 +79,12 @@ def _valid(schema: dict, text: str) -> bool:
         return False
 
 
-def _serve() -> tuple[subprocess.Popen, str]:
+def serve_default(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`hf-paged serve default [flags]` on a free loopback port, once healthy: the process and its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "hf_paged.cli", "serve", "default", "--served-model-name", "default",
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"],
+    proc = subprocess.Popen([sys.executable, "-m", "hf_paged.cli", "serve", "default", "--port", str(port), *flags],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={k: v for k, v in os.environ.items() if k != "HF_PAGED_API_KEY"})
     import httpx
@@ -165,7 +165,7 @@ def main() -> int:
     args = parser.parse_args()
     import openai
 
-    proc, url = _serve()
+    proc, url = serve_default("--served-model-name", "default", "--max-model-len", "2048")
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
         ok = schemas(client)

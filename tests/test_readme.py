@@ -82,9 +82,14 @@ def test_relative_links_resolve(page):
 
 @pytest.mark.parametrize("page", DOCS, ids=lambda p: p.name)
 def test_docs_python_blocks_compile(page):
+    broken = []
     for block in doc_blocks.code_blocks(page):
         if block.lang == "python":
-            compile(block.code, block.where, "exec")
+            try:
+                compile(block.code, block.where, "exec")
+            except SyntaxError as exc:
+                broken.append(f"{block.where}: {exc.msg} (line {exc.lineno})")
+    assert broken == [], broken
 
 
 def test_generated_figures_are_the_tools_output():

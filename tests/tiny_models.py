@@ -12,7 +12,7 @@ from transformers.models.deepseek_v3 import DeepseekV3Config
 from transformers.models.gemma2 import Gemma2Config
 from transformers.models.gemma3 import Gemma3TextConfig
 from transformers.models.gpt_oss import GptOssConfig
-from transformers.models.llama import LlamaConfig
+from transformers.models.llama import LlamaConfig, LlamaForCausalLM
 from transformers.models.mistral import MistralConfig
 from transformers.models.phi3 import Phi3Config
 from transformers.models.qwen2 import Qwen2Config
@@ -233,3 +233,19 @@ def tiny_gemma3_vlm(attn_implementation: str = "eager", seed: int = 0):
         weight = model.model.multi_modal_projector.mm_input_projection_weight
         weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.5)
     return model
+
+
+def save_tiny_llama_folder(path):
+    """A tiny random Llama (seeded) over the default model's tokenizer, which has a chat template,
+    saved to `path` as a model folder users would pass on the command line. Returns `path`."""
+    from hf_paged.defaults.models import load_default_tokenizer
+
+    tokenizer = load_default_tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -19,10 +19,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_paged import Engine, SamplingParams
 from hf_paged.integrations.jobs import done_indices, prompt_of, read_rows, run_job
+from tiny_models import save_tiny_llama_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = "alpha beta gamma delta river stone cloud lamp seven quiet bright".split()
@@ -32,18 +32,7 @@ WORDS = "alpha beta gamma delta river stone cloud lamp seven quiet bright".split
 def model_dir(tmp_path_factory):
     """A tiny random Llama over the default tokenizer, saved as a model folder."""
     pytest.importorskip("gguf")
-    from hf_paged.defaults.models import load_default_tokenizer
-
-    tokenizer = load_default_tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny-model")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_llama_folder(tmp_path_factory.mktemp("tiny-model"))
 
 
 def _rows(n=200, bad=(7, 50, 123)):
