@@ -14,8 +14,9 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
+# One pytest-xdist worker per core, each test file on one worker (its module fixtures load once).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: $(STAMP)
 	$(PY) benchmarks/generate_bench.py

@@ -12,11 +12,19 @@ planner share (`config.blocks_held` per group, times the bytes of a block). Peak
 prefill and at the end. Then the same with the engine's chunked prefill, and hf_paged with
 `enable_hybrid_kv=False` (every layer keeps every token: the layout before hybrid memory).
 
+`kinds`: the newer layer kinds on tiny random-weight models (block size 4): Llama 4 (chunks of 12 on
+its RoPE layers, its NoPE layer full), Gemma 3n (the last 2 of 6 layers reuse layers 2 and 3's K/V) and
+Gemma 4 (the same, plus full layers of 1 KV head of 64 beside sliding layers of 2 heads of 16). Stock
+generate over a PagedCache on a left-padded batch (prompts 40, 13, 29, then 16 new tokens): the most
+blocks any sequence holds per group, after every decode step, against the spec's bound (a chunk or window
+plus one block), the tensors of the reusing layers, and the pool's tensor bytes against
+`hf-paged kv-size`'s (the planner's) bytes per block times the blocks.
+
 `capacity`: at a fixed `max_kv_bytes`, the most concurrent 4w-token requests (prompt w, 3w new) the
 engine runs with no preemption (searched), hybrid against `enable_hybrid_kv=False`, beside the factor
 the equation predicts.
 
-    python benchmarks/kv_memory.py [--section padding|hybrid|capacity|all] [--new-tokens 16]
+    python benchmarks/kv_memory.py [--section padding|hybrid|kinds|capacity|all] [--new-tokens 16]
 """
 
 from __future__ import annotations
@@ -38,14 +46,89 @@ from hf_paged.defaults.prompts import chat_inputs
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--section", choices=["padding", "hybrid", "capacity", "all"], default="all")
+    parser.add_argument("--section", choices=["padding", "hybrid", "kinds", "capacity", "all"], default="all")
     args = parser.parse_args()
     if args.section in ("padding", "all"):
         padding(args)
     if args.section in ("hybrid", "all"):
         hybrid()
+    if args.section in ("kinds", "all"):
+        kinds()
     if args.section in ("capacity", "all"):
         capacity()
+
+
+def kinds():
+    from transformers import Gemma3nTextConfig, Gemma4TextConfig, Llama4TextConfig
+
+    from hf_paged.planner.plan import plan
+    from hf_paged.planner.shape import ModelShape
+
+    vocab, block = 128, 4
+    gemma = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, hidden_size_per_layer_input=8,
+                 intermediate_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 sliding_window=8, layer_types=["sliding_attention", "full_attention"] * 3, num_kv_shared_layers=2,
+                 max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    configs = {
+        "llama4 (chunk 12)": Llama4TextConfig(
+            vocab_size=vocab, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=12, num_local_experts=2,
+            max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_qk_norm=False),
+        "gemma3n (2 reuse)": Gemma3nTextConfig(**gemma, activation_sparsity_pattern=[0.0] * 6, laurel_rank=4,
+                                               altup_num_inputs=2),
+        "gemma4 (2 reuse, 2 shapes)": Gemma4TextConfig(**gemma, global_head_dim=64, num_global_key_value_heads=1,
+                                                       attention_k_eq_v=True),
+    }
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (40, 13, 29)]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, width - len(row):], mask[r, width - len(row):] = torch.tensor(row), 1
+    gen = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    print(f"block_size {block}; prompts {[len(r) for r in rows]}, 16 new tokens")
+    print(f"{'model':<28}{'group':<34}{'max held':>9}{'bound':>7}   {'pool bytes':>11}{'kv-size bytes':>14}"
+          f"{'reuse tensors':>14}{'identical':>10}")
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="hf_paged").eval()
+        stock_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        stock_model.load_state_dict(model.state_dict())
+        expected = stock_model.generate(ids, attention_mask=mask, **gen)
+        cache = PagedCache(model.config, block_size=block)
+        held = [0] * len(cache.layout.groups)
+
+        def note(module, args, kwargs, output):  # after every decode forward: the most blocks a sequence holds
+            ids_in = kwargs.get("input_ids", args[0] if args else None)
+            if ids_in is None or ids_in.shape[1] != 1:
+                return  # a prefill step holds its own tokens too (the bound counts decode steps)
+            for seq in cache.seqs:
+                for group in range(len(held)):
+                    held[group] = max(held[group], len(seq.block_tables[group]) - seq.num_released[group])
+
+        hook = model.register_forward_hook(note, with_kwargs=True)
+        model.hf_paged_use_engine = False
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        out = model.generate(ids, attention_mask=mask, **gen, **{key: cache})
+        hook.remove()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()  # byte pages: views of one buffer
+                    for layer in cache.kv.storage_layers for t in (layer.keys, layer.values)}
+        pool_bytes = sum(storages.values())
+        planned = plan(ModelShape.from_config(model.config.to_dict()), kv_budget_bytes=1 << 30, seq_len=64,
+                       block_size=block, kv_dtype="float32")
+        reuse = [layer for layer in cache.layers if not getattr(layer, "is_initialized", True) or
+                 type(layer).__name__ == "SharedLayer"]
+        reuse_tensors = sum(1 for layer in reuse for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                            if isinstance(t, torch.Tensor) and t.numel())
+        for group, spec in enumerate(cache.layout.group_specs):
+            reach = spec.reach
+            bound = "-" if reach is None else str(-(-(reach + 1) // block) + 1)
+            label = f"{group}: {type(spec).__name__} {cache.layout.groups[group].layers}"
+            first = group == 0
+            print(f"{name if first else '':<28}{label:<34}{held[group]:>9}{bound:>7}   "
+                  + (f"{pool_bytes:>11}{cache.pool.num_blocks * planned.bytes_per_block:>14}{reuse_tensors:>14}"
+                     f"{str(torch.equal(out, expected)):>10}" if first else ""))
 
 
 def padding(args):

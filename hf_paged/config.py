@@ -1,13 +1,17 @@
 """User-facing knobs and the limits several layers must agree on, each defined once here.
 
-This module is a leaf: it imports nothing from hf_paged (and no torch), so every sub-package, the
-torch-free `core` included, can import it.
+This module is a leaf: it imports nothing from hf_paged but the stdlib-only `kv_spec` / `kv_layout`
+(and no torch), so every sub-package, the torch-free `core` included, can import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+
+from .kv_layout import (KVGroup, KVLayout, blocks_held, first_readable_position, kv_groups,  # noqa: F401
+                        kv_layout, max_blocks_held, num_freeable_blocks)
+from .kv_spec import LAYER_KINDS
 
 # Tokens per KV block unless configured otherwise (the cache, the engine, the draft pool, the CLIs).
 DEFAULT_BLOCK_SIZE = 16
@@ -123,15 +127,19 @@ class PagedCacheConfig:
             before quantising (attention is unchanged in exact arithmetic, the rounding error of q.k
             shrinks; see `attention.kv_quant`). Default True.
         enable_prefix_caching: share full blocks whose token prefix (hash chain) is identical.
-        enable_hybrid_kv: models with sliding-window layers keep one block table per KV group, and
-            the sliding groups release the blocks that left their window (`config.kv_layout`). False
-            keeps every token of every layer in one table (more memory; the layout of a model with
-            full attention only). Default True.
+        enable_hybrid_kv: models with sliding-window or chunked-attention layers keep one block table
+            per KV group, and those groups release the blocks no query reads any more (out of the
+            window, of past chunks; `config.kv_layout`). False keeps every token of every layer
+            (more memory; the layout of a model with full attention only; each layer still masks as
+            its kind). Default True.
         cache_salt: mixed into every block hash so that caches which must not share K/V (other
             adapters, tenants) never do.
         tensor_parallel_size: the ranks a tensor-parallel model's KV heads are split over: this pool
             holds one rank's share (num_key_value_heads / tensor_parallel_size heads per layer), and
             every byte figure is per rank. Default 1.
+        attention_backend: the attention backend every step runs first ("auto", "torch", "cpu",
+            "triton", "flex"; `attention.dispatch.choices()`), over `HF_PAGED_BACKEND`; layers it does
+            not declare fall back as auto's do. None (default): the environment variable, else auto.
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -144,8 +152,11 @@ class PagedCacheConfig:
     enable_hybrid_kv: bool = True
     cache_salt: str | None = None
     tensor_parallel_size: int = 1
+    attention_backend: str | None = None
 
     def __post_init__(self):
+        if self.attention_backend is not None and not isinstance(self.attention_backend, str):
+            raise ValueError(f"attention_backend must be a backend's name or None, got {self.attention_backend!r}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
@@ -211,7 +222,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _knob(PagedCacheConfig.enable_prefix_caching,
                                         "share the K/V of full blocks whose token prefix is identical")
     enable_hybrid_kv: bool = _knob(PagedCacheConfig.enable_hybrid_kv,
-                                   "sliding-window layers release the blocks that left their window")
+                                   "sliding-window and chunked layers release the blocks no query reads")
+    attention_backend: str | None = _knob(PagedCacheConfig.attention_backend, "attention backend run first (auto, "
+                                          "torch, cpu, triton, flex; default: $HF_PAGED_BACKEND, else auto)",
+                                          parse=str)
     cache_salt: str | None = _knob(PagedCacheConfig.cache_salt, "mixed into every block hash: caches with "
                                                                 "other salts never share K/V", parse=str)
     max_model_len: int | None = _knob(None, "longest sequence, prompt + output (default: the model's max "
@@ -307,163 +321,32 @@ def check_pool_fits(num_blocks: int | None, block_size: int, max_length: int | N
         )
 
 
-# The decoder layer types (transformers' `layer_types` names) a paged cache serves. A model with any
-# other kind (linear attention, Mamba, chunked attention, ...) is refused at load (`hf.support`), and
-# the planner (`hf-paged kv-size | plan`) says so from its config.
-SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# The decoder layer types (transformers' `layer_types` names) a paged cache serves: one definition,
+# `kv_spec.LAYER_KINDS` (one spec per kind). A model with any other kind (linear attention, Mamba, ...)
+# is refused at load (`hf.support`), and the planner (`hf-paged kv-size | plan`) says so from its config.
+SUPPORTED_LAYER_TYPES = LAYER_KINDS
 
 
 # ---------------------------------------------------------------------------------------------- KV groups
-# KV groups and the sliding-window rule: which layers share a block table, and which blocks a
-# sliding-window group may drop (hybrid KV memory). Torch-free arithmetic, here so that the block
-# manager and the planner count with the same equation.
-#
-# Layers with the same attention type (full attention, or a sliding window of `w` tokens) form one
-# group; each group keeps its own block table per sequence. A full group keeps every token. A
-# sliding group keeps only what a query that can still come may read:
-#
-#     a query at position p reads keys p - w + 1 .. p
-#     the next query sits at position >= num_tokens - lookback
-#         (lookback: tokens a step may roll back, e.g. rejected speculative drafts)
-#     => keys before  first_readable = num_tokens - lookback - w + 1  are never read again
-#
-# so every leading block whose tokens all lie before `first_readable` can be freed. During a step that
-# writes `c` new tokens, its first query reads back `w - 1` tokens before them: the group holds the
-# blocks of the last `w - 1 + c + lookback` tokens at most, which `blocks_held` counts (the one
-# equation the cache and the planner share).
-#
-# Block tables and storage (`kv_layout`): the pool is one pool of block ids shared by every group
-# (vLLM's hybrid allocator), so one byte budget serves whatever mix of long and short requests comes.
-# For that, a block id must mean the same bytes in every group: the layers are split into block-table
-# groups of `S` layers each (S = the layer count of the rarest attention type), and the i-th layer
-# of every group stores its K/V in storage slot i. One block is then the K/V of S layers, whichever
-# group holds it:
-#
-#     gemma3-style, 24 layers, full at 5 11 17 23 -> S = 4, groups of 4 layers (ordered by first layer):
-#         group 0 (sliding) layers  0  1  2  3      slot 0  slot 1  slot 2  slot 3
-#         group 1 (sliding) layers  4  6  7  8        |       |       |       |
-#         group 2 (full)    layers  5 11 17 23     one [num_blocks, block_size, heads, dim] tensor per slot
-#         groups 3-5 (sliding)  9 10 12 13 / 14 15 16 18 / 19 20 21 22
-#     block 7 in group 2's table: slot tensors [7] hold layers 5, 11, 17, 23;
-#     block 7 in group 0's table instead: the same bytes hold layers 0, 1, 2, 3.
-#
-# A model with one attention type is one group of all its layers, one slot per layer: the layout
-# of a plain paged cache. A type whose layer count is not a multiple of S leaves slots of its last
-# group unused (`KVLayout.num_padding_slots`).
+# Which layers share a block table, where each layer's K/V lives in a block, and which blocks a group
+# may free: `kv_layout` (the layout, with its diagram) and the one equation the block manager and the
+# planner count with (`first_readable_position`, `num_freeable_blocks`, `blocks_held`), re-exported here.
 
 
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    """Layers that share one block table.
-
-    Attributes:
-        layers: the layer indices, ascending.
-        sliding_window: tokens each query sees (transformers' `sliding_window`), or None for full
-            attention.
-    """
-
-    layers: tuple[int, ...]
-    sliding_window: int | None = None
-
-
-def kv_groups(layer_windows: Sequence[int | None]) -> list[KVGroup]:
-    """Group layers by window, in order of each window's first layer.
+def kv_bytes_per_block(layout: KVLayout, block_size: int, kv_dtype: KVCacheDtype, scheme: str = "dynamic",
+                       model_itemsize: int = 4) -> int:
+    """Bytes one block of the pool takes as the cache allocates it: its K and V pages
+    (`KVLayout.bytes_per_block`: block_size * (page_k + page_v) * itemsize; with one K/V shape,
+    num_slots * one slot's bytes) plus, for a quantised cache, the scales of the layers of the group
+    with the most (`kv_scale_bytes_per_token_layer` per layer and token). Pool tensors hold
+    `num_blocks` times this, the figure `hf-paged plan` counts blocks by.
 
     Args:
-        layer_windows: per layer, its sliding window (a positive int) or None (full attention).
-
-    Raises:
-        ValueError: a window that is not a positive integer.
+        layout: from `kv_layout(kv_spec.layer_specs(...))` (its layers' shapes must be known).
+        kv_dtype: the cache's dtype (`kv_cache_dtype(name)`); "auto" stores `model_itemsize` bytes.
+        scheme: the quantisation scheme (`kv_cache_scheme`), for a quantised dtype's scale count.
     """
-    order: dict[int | None, list[int]] = {}
-    for layer, window in enumerate(layer_windows):
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"layer {layer}: sliding window must be a positive integer or None, got {window!r}")
-        order.setdefault(window, []).append(layer)
-    return [KVGroup(tuple(layers), window) for window, layers in order.items()]
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Which block table and which storage slot each layer uses (see the module docstring).
-
-    Attributes:
-        groups: the block-table groups; `groups[g].layers` are in slot order.
-        layer_group: per layer, its group index.
-        layer_slot: per layer, its storage slot in `range(num_slots)`.
-    """
-
-    groups: tuple[KVGroup, ...]
-    layer_group: tuple[int, ...]
-    layer_slot: tuple[int, ...]
-
-    @property
-    def num_slots(self) -> int:
-        return max((len(g.layers) for g in self.groups), default=0)
-
-    @property
-    def windows(self) -> tuple[int | None, ...]:
-        return tuple(g.sliding_window for g in self.groups)
-
-    @property
-    def num_padding_slots(self) -> int:
-        return sum(self.num_slots - len(g.layers) for g in self.groups)
-
-    @property
-    def is_hybrid(self) -> bool:
-        """Whether some group drops blocks (a sliding window): False for an all-full-attention model."""
-        return any(w is not None for w in self.windows)
-
-
-def kv_layout(layer_windows: Sequence[int | None]) -> KVLayout:
-    """Split layers into block-table groups of equal size (see the module docstring).
-
-    Raises:
-        ValueError: a window that is not a positive integer.
-    """
-    by_window = kv_groups(layer_windows)
-    if not by_window:
-        return KVLayout((), (), ())
-    size = min(len(g.layers) for g in by_window)
-    groups = [KVGroup(g.layers[i : i + size], g.sliding_window) for g in by_window
-              for i in range(0, len(g.layers), size)]
-    groups.sort(key=lambda g: g.layers[0])  # group 0 holds layer 0: a one-type model is one group
-    layer_group = [0] * len(layer_windows)
-    layer_slot = [0] * len(layer_windows)
-    for g, group in enumerate(groups):
-        for slot, layer in enumerate(group.layers):
-            layer_group[layer], layer_slot[layer] = g, slot
-    return KVLayout(tuple(groups), tuple(layer_group), tuple(layer_slot))
-
-
-def first_readable_position(num_tokens: int, window: int | None, lookback: int = 0) -> int:
-    """The earliest token position a query that can still come may read (0 for full attention)."""
-    _check_counts(num_tokens=num_tokens, lookback=lookback)
-    if window is None:
-        return 0
-    return max(0, num_tokens - lookback - window + 1)
-
-
-def num_freeable_blocks(num_tokens: int, window: int | None, block_size: int, lookback: int = 0) -> int:
-    """Leading blocks of a sequence's table whose tokens no query that can still come reads."""
-    _check_counts(block_size=block_size)
-    return first_readable_position(num_tokens, window, lookback) // block_size
-
-
-def blocks_held(num_tokens: int, window: int | None, block_size: int, lookback: int = 0,
-                new_tokens: int = 0) -> int:
-    """Blocks a group holds for one sequence of `num_tokens` stored tokens while a step writes
-    `new_tokens` more: everything for full attention, else the blocks covering positions
-    `first_readable(num_tokens) .. num_tokens + new_tokens - 1`."""
-    _check_counts(new_tokens=new_tokens, block_size=block_size)
-    total = -(-(num_tokens + new_tokens) // block_size)
-    return total - num_freeable_blocks(num_tokens, window, block_size, lookback)
-
-
-def _check_counts(**counts: int) -> None:
-    for name, value in counts.items():
-        minimum = 1 if name == "block_size" else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    payload = layout.bytes_per_block(block_size, kv_dtype.itemsize or model_itemsize)
+    scales = max((len(g.layers) * kv_scale_bytes_per_token_layer(g.spec.shape.num_kv_heads, kv_dtype, scheme)
+                  for g in layout.groups), default=0)
+    return payload + block_size * scales

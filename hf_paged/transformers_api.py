@@ -123,6 +123,10 @@ PRIVATE_API: tuple[PrivateAPI, ...] = (
     PrivateAPI(_MODELING, "PreTrainedModel._from_config", "wrapped", "integrations.load_check",
                positional=("config",)),
     PrivateAPI(_MODELING, "PreTrainedModel._supports_attention_backend", "read", "hf.support"),
+    # Where a class does not declare the flag above, hf.support reads its modelling module's source for
+    # attention modules that call what this table gives (by this name) with their **kwargs. A module
+    # written otherwise is refused as before, never admitted by mistake.
+    PrivateAPI(_MODELING, "ALL_ATTENTION_FUNCTIONS", "read", "hf.support (routes_attention)"),
     PrivateAPI(_MODELING, "PreTrainedModel._supports_sdpa", "read", "hf.support, integrations.generate"),
     PrivateAPI("transformers.configuration_utils", "PreTrainedConfig._attn_implementation", "read",
                "engine, integrations, spec_decode, hf.planning"),

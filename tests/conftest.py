@@ -12,3 +12,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist (`make test` runs two workers on two cores) each worker computes on one thread:
+# two workers of two intra-op threads each would fight over the cores. Subprocesses a test starts
+# (servers, torchrun ranks) inherit it through the environment.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)

@@ -65,8 +65,8 @@ MIN_BLOCKS_PER_SPLIT = 4
 PARALLEL_MIN_BYTES = 1 << 20
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _F32, _P,
-             _I32, _I32, _P, _P, _P, _I32]
+_ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32, _F32,
+             _P, _I32, _I32, _P, _P, _P, _I32]
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "fn" -> the ctypes function, or "error" -> why there is none
@@ -310,6 +310,7 @@ def attend(
     softcap: float | None,
     sinks: torch.Tensor | None,  # [Hq]
     scratch,  # callable(name, shape) -> an fp32 buffer (the step's workspace)
+    chunk_size: int | None = None,  # Llama 4's local chunk: keys from (pos // C) * C on
 ) -> torch.Tensor:  # [T, Hq, Dv] fp32
     """The short runs' attention, by the native kernel. It reads and writes through every pointer and
     count it is given, unchecked: its caller, `torch_paged.paged_attention`, has checked the step's
@@ -331,9 +332,39 @@ def attend(
     status = fn(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
                 block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
                 num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size, float(scale),
-                int(sliding_window or 0), float(softcap or 0.0), None if sinks is None else sinks.data_ptr(),
+                int(sliding_window or 0), int(chunk_size or 0), float(softcap or 0.0),
+                None if sinks is None else sinks.data_ptr(),
                 nsplit, max_rows, part_ml.data_ptr(), part_acc.data_ptr(), out.data_ptr(), threads)
     if status != 0:
         raise ValueError(f"hf_paged CPU kernel: shapes it does not take (Hq={num_q_heads}, Hkv={num_kv_heads}, "
                          f"D={head_dim}, Dv={head_dim_v}, block_size={block_size})")
     return out
+
+
+class ShortRuns:
+    """Every short-query sequence of a step (decode, speculative verify), for this kernel in one call
+    over all of them: their block-table rows, lengths and query offsets, and where their tokens sit
+    in the packed query (built by `torch_paged.AttentionPlan`)."""
+
+    def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
+                 block_tables: torch.Tensor, block_size: int, num_tokens: int):
+        used = [-(-seq_lens[i] // block_size) for i in seqs]
+        num_blocks = max(used)  # within the table's width (`torch_paged._check_metadata`)
+        rows = torch.tensor(seqs, device=block_tables.device)
+        self.block_tables = block_tables[rows, :num_blocks].to(torch.int32).contiguous()  # [S, num_blocks]
+        # The kernel reads whatever a block id points at: the ids it will read, checked per call against
+        # the pool (a bad id is an IndexError here, as on the torch path, not a crash).
+        named = self.block_tables[torch.arange(num_blocks)[None, :] < torch.tensor(used)[:, None]]
+        self.block_range = (int(named.min()), int(named.max()))
+        self.seq_lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int32)  # [S]
+        offsets = [0]
+        for i in seqs:
+            offsets.append(offsets[-1] + q_lens[i])
+        self.cu_seqlens_q = torch.tensor(offsets, dtype=torch.int32)  # [S + 1]
+        tokens = [t for i in seqs for t in range(cu[i], cu[i] + q_lens[i])]
+        # The runs hold the whole packed query in order (a pure decode step): no gather, no scatter.
+        self.is_whole = tokens == list(range(num_tokens))
+        self.token_index = None if self.is_whole else torch.tensor(tokens)  # [T_short]
+        self.max_q_len = max(q_lens[i] for i in seqs)
+        self.kv_tokens = sum(seq_lens[i] for i in seqs)
+        self.num_splits = num_splits(len(seqs), num_blocks)

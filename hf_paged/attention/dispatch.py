@@ -2,15 +2,27 @@
 `store_kv` and `paged_attention` (the `run`) per layer with that plan.
 
 Owns the choice of backend and nothing else: callers (the `interface` attention function, the cache
-adapter) call `plan` / `store_kv` / `paged_attention` here and never import a backend directly.
-`backend()` picks the implementation for a device: Triton on CUDA tensors; on the CPU "cpu", the
-native kernel (`cpu_kernel`, built on first use) for the decode and verify runs and the torch path
-for the prefill chunks, or "torch" alone where that kernel cannot be built. "flex" (`flex_paged`,
-FlexAttention compiled by Inductor, on either device) runs when asked for. Set
-`HF_PAGED_BACKEND=torch`, `=cpu`, `=flex` or `=triton` to force one; the tests force Triton on CPU tensors under
-Triton's interpreter (`TRITON_INTERPRET=1`). The environment is read by `plan`, once per step (see
-`plan.StepPlan`); a call with a plan reads nothing per layer. A call without one (a kernel test, a
-caller with no step) plans for itself.
+adapter) call `plan` / `store_kv` / `paged_attention` here and never import a backend directly. The
+backends and what each declares it takes are in `backend.py`.
+
+The choice, made by `plan` once per step: the caller's (`plan(step, backend=...)`, e.g. an engine
+option), else `HF_PAGED_BACKEND` (`torch`, `cpu`, `flex`, `triton`, or `auto`, the default). "auto"
+takes the first registered backend that runs on the step's device (`backend.AttentionBackend.auto_devices`):
+Triton on CUDA tensors; on the CPU "cpu", the native kernel (`cpu_kernel`, built on first use) for
+the decode and verify runs and the torch path for the prefill runs, or "torch" alone where that
+kernel cannot be built. "flex" (`flex_paged`, FlexAttention compiled by Inductor, on either device)
+runs when asked for. The tests force Triton on CPU tensors under Triton's interpreter
+(`TRITON_INTERPRET=1`). A step whose facts the chosen backend does not declare (queries that see
+past their own position: Gemma 3's images) goes to its fallback, torch.
+
+Per layer, `paged_attention` builds one `backend.LayerCall` and hands it to the first of the step's
+backends (the chosen one, then its fallbacks) whose declaration covers it: a strided (byte-page)
+cache, for instance, goes past the CPU kernel and flex to the torch path, and a head wider than the
+Triton kernels take (Gemma 4's 512) from Triton to torch (said once in the log; inside a CUDA graph
+capture the torch path cannot run, as it reads the step's lengths on the host, so there it is
+refused). A layer no backend takes is a ValueError naming what is unsupported, raised before any
+kernel runs. A call with a plan reads no
+environment; a call without one (a kernel test, a caller with no step) plans for itself.
 
 The Triton modules are imported on first use only, so importing hf_paged never needs a GPU or
 compiles anything.
@@ -22,57 +34,74 @@ import os
 
 import torch
 
-from ..config import MAX_DECODE_QUERY_LEN
-from . import cpu_kernel, flex_paged, torch_paged
+from . import backend as backends
+from .backend import LayerCall, mask_rule
 from .kv_quant import rotate
 from .plan import StepPlan
 from .workspace import Workspace
 
-_BACKENDS = ("auto", "torch", "cpu", "triton", "flex")
+ENVIRONMENT_VARIABLE = "HF_PAGED_BACKEND"
 
 
-def backend(device: torch.device) -> str:
-    """The kernel family for tensors on `device`: "triton" on CUDA, "cpu" (the native CPU kernel for
-    decode and verify runs, the torch path for the rest) elsewhere where that kernel builds, else
-    "torch". "flex" (FlexAttention, `flex_paged`) only when asked for: on the CPU it measures slower
-    than "cpu" at every shape of `benchmarks/attention.py`, and on CUDA it has not been measured
-    against Triton."""
-    choice = os.environ.get("HF_PAGED_BACKEND", "auto").lower()
-    if choice not in _BACKENDS:
-        raise ValueError(f"HF_PAGED_BACKEND must be one of {_BACKENDS}, got {choice!r}")
-    if choice == "auto":
-        if device.type == "cuda":
-            return "triton" if _has_triton() else "torch"
-        return "cpu" if device.type == "cpu" and cpu_kernel.load() is not None else "torch"
-    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "HF_PAGED_BACKEND=triton on a non-CUDA device needs Triton's interpreter: set TRITON_INTERPRET=1 "
-            "before hf_paged's kernels are first used"
-        )
-    if choice == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"HF_PAGED_BACKEND=cpu runs on CPU tensors, not {device.type}; use auto")
-        if cpu_kernel.load() is None:
-            raise ValueError(f"HF_PAGED_BACKEND=cpu: the CPU attention kernel could not be built "
-                             f"({cpu_kernel.load_error()}); use HF_PAGED_BACKEND=torch")
-    return choice
+def choices() -> tuple[str, ...]:
+    """What a caller may choose: "auto" and every registered backend's name."""
+    return ("auto", *backends.backends())
 
 
-def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def backend(device: torch.device, choice: str | None = None) -> str:
+    """The backend a step on `device` runs first: `choice` (None: `HF_PAGED_BACKEND`, default "auto")
+    resolved to a backend that serves the device (see the module docstring). "flex" only when asked
+    for: on the CPU it measures slower than "cpu" at every shape of `benchmarks/attention.py`, and on
+    CUDA it has not been measured against Triton.
+
+    Raises:
+        ValueError: an unknown choice, or a backend asked for that cannot serve `device`, naming why.
+    """
+    return _chain(device, choice)[0]
 
 
-def plan(step, workspace: Workspace | None = None) -> StepPlan:
-    """The attention plan of `step` (a `metadata.StepMetadata`): its backend, read here once, and the
-    per-kind launch plans its layers fill in (see `plan.StepPlan`). `workspace`: the cache's scratch,
-    reused by every layer and step."""
-    if getattr(step, "key_limits", None) is not None:  # queries past causal: the Triton kernels are causal only
-        return StepPlan("torch", workspace, key_limits=step.key_limits)
-    return StepPlan(backend(step.seq_lens.device), workspace)
+def _chain(device: torch.device, choice: str | None, key_limits: bool = False) -> tuple[str, ...]:
+    """The step's backends: the one chosen (or auto's), then its fallbacks, each serving the step."""
+    source = "attention_backend" if choice is not None else ENVIRONMENT_VARIABLE
+    if choice is None:
+        choice = os.environ.get(ENVIRONMENT_VARIABLE, "auto")
+    name = str(choice).lower()
+    registry = backends.backends()
+    if name not in registry and name != "auto":
+        raise ValueError(f"{source} must be one of {choices()}, got {choice!r}")
+    if name == "auto":
+        name = next((n for n, b in registry.items()
+                     if (b.auto_devices is None or device.type in b.auto_devices) and b.unavailable(device) is None),
+                    "torch")
+    else:
+        why = registry[name].unavailable(device)
+        if why is not None:
+            raise ValueError(f"{source}={name} {why}")
+    chain, seen = [], set()
+    while name is not None and name not in seen:
+        seen.add(name)
+        entry = registry[name]
+        if not (key_limits and not entry.capabilities.key_limits) and (not chain or entry.unavailable(device) is None):
+            chain.append(name)
+        name = entry.fallback
+    if not chain:
+        raise ValueError(f"hf_paged: no attention backend from {choice!r} on runs this step (its queries see past "
+                         "their own position, which only the torch backend reads)")
+    return tuple(chain)
+
+
+def plan(step, workspace: Workspace | None = None, backend: str | None = None) -> StepPlan:
+    """The attention plan of `step` (a `metadata.StepMetadata`): its backends, chosen here once, and
+    the per-kind launch plans its layers fill in (see `plan.StepPlan`).
+
+    Args:
+        workspace: the cache's scratch, reused by every layer and step.
+        backend: "auto" or a backend's name (`choices()`), e.g. an engine's `attention_backend`
+            option; it wins over HF_PAGED_BACKEND. None: read HF_PAGED_BACKEND.
+    """
+    key_limits = getattr(step, "key_limits", None)
+    chain = _chain(step.seq_lens.device, backend, key_limits is not None)
+    return StepPlan(chain[0], workspace, key_limits=key_limits, fallbacks=chain[1:])
 
 
 def check_kv_cache_dtype(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,
@@ -106,71 +135,63 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots
     """Write new K/V rows into their slots; slot -1 is skipped. See `torch_paged.store_kv`
     (`has_skipped_slots=False` promises there is no -1, which spares the torch path a check;
     `scales`, a quantised cache's `kv_quant.KVScales`, makes the write quantise, after rotating the
-    rows when its scheme rotates: see `kv_quant`; `plan`: the step's, whose backend is used)."""
+    rows when its scheme rotates: see `kv_quant`; `plan`: the step's, whose backend writes; the
+    caches may be strided views of byte pages)."""
     if scales is not None and scales.quant.rotate:
         key, value = rotate(key), rotate(value)
-    if (plan.backend if plan is not None else backend(key.device)) == "triton":
-        from .triton.store_kv import store_kv as triton_store_kv
-
-        return triton_store_kv(key, value, key_cache, value_cache, slot_mapping, scales=scales)
-    torch_paged.store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots, scales=scales)
+    name = plan.backend if plan is not None else backend(key.device)
+    backends.backends()[name].store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots, scales)
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None, scales=None):
+                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None, scales=None,
+                    chunk_size=None):
     """Varlen causal attention over paged K/V: FlashInfer's `run`. See `torch_paged.paged_attention`
     for the contract.
 
     Args:
-        plan: the step's `plan.StepPlan` (`dispatch.plan`): its backend, and the launch plan (tiling,
+        sliding_window: w: a query at position p sees keys p - w < j <= p. None: no window.
+        chunk_size: C (Llama 4's attention chunk): a query at p sees keys (p // C) * C <= j <= p,
+            positions counted per sequence from 0. With a window too, both bounds apply.
+        plan: the step's `plan.StepPlan` (`dispatch.plan`): its backends, and the launch plan (tiling,
             split count, tuned config, scratch) the first layer of this kind made, are used as
             planned. None: this call plans for itself.
         scales: a quantised cache's `kv_quant.KVScales` (K/V are dequantised as they are read).
 
-    Up to `MAX_DECODE_QUERY_LEN` queries per sequence the split-KV decode kernel runs, above it the
-    tiled prefill kernel."""
+    Raises:
+        ValueError: no backend of the step takes this layer (naming what it lacks), before any kernel runs.
+    """
     # Rotated K/V (see `kv_quant`): the backends attend rotated queries over them as over any K/V,
     # and the output comes back rotated.
     rotated = scales is not None and scales.quant.rotate
-    out = _attend(rotate(query) if rotated else query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                  max_seqlen_q, max_seqlen_k, scale, sliding_window, softcap, sinks, plan, scales)
+    call = LayerCall(rotate(query) if rotated else query, key_cache, value_cache, block_tables, seq_lens,
+                     cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, mask_rule(sliding_window, chunk_size),
+                     softcap, sinks, scales)
+    out = run(call, plan)
     return rotate(out) if rotated else out
 
 
-def _attend(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale,
-            sliding_window, softcap, sinks, plan, scales):
-    name = plan.backend if plan is not None else backend(query.device)
-    if name == "triton":
-        if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
-            from .triton import decode
+def run(call: LayerCall, plan: StepPlan | None = None) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
+    """Attend `call` on the first of the plan's backends that declares it (see the module docstring).
 
-            kernel = decode.paged_decode  # looked up per call: tests count the launches through it
-        else:
-            from .triton import prefill
-
-            kernel = prefill.flash_prefill
-        launch_plan = None if plan is None else plan.triton_plan(query, key_cache, value_cache, block_tables,
-                                                                 max_seqlen_q, max_seqlen_k, sliding_window)
-        return kernel(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                      max_seqlen_k, scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                      scales=scales, plan=launch_plan)
-    if name == "flex" and flex_paged.can_run(query, key_cache, value_cache, scales, sinks):
-        if plan is not None:
-            flex_plan = plan.flex_plan(block_tables, seq_lens, cu_seqlens_q, key_cache.shape[1], key_cache.shape[0])
-        else:
-            flex_plan = flex_paged.FlexPlan(block_tables, seq_lens, cu_seqlens_q, key_cache.shape[1],
-                                            key_cache.shape[0])
-        out = flex_paged.paged_attention(query, key_cache, value_cache, flex_plan, scale, sliding_window, softcap,
-                                         sinks)
-        if out is not None:
-            return out  # None: a shape past flex's compile limit, which the torch path runs
-    if plan is not None:
-        torch_plan = plan.torch_plan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                                     key_cache.shape[1])
-    else:  # "cpu": the native kernel takes the short runs; "torch": the torch path takes everything
-        torch_plan = torch_paged.AttentionPlan(block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                                               key_cache.shape[1], native=name == "cpu")
-    return torch_paged.paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-        scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks, plan=torch_plan, scales=scales,
-    )
+    Raises:
+        ValueError: none of them takes it, naming what each lacks; nothing has run.
+    """
+    if plan is None:  # a caller outside a step: plan for this call alone
+        chain = _chain(call.query.device, None)
+        plan = StepPlan(chain[0], fallbacks=chain[1:])
+    registry = backends.backends()
+    refused = []
+    for name in plan.backends:
+        entry = registry[name]
+        why = entry.refusal(call)
+        if why is None:
+            out = entry.run(call, plan)
+            if out is not None:
+                if refused:
+                    backends.note_fallback(plan.backend, refused[0][1], name)
+                return out
+            why = "this shape at run time"  # e.g. flex past its compile limit: the next backend runs it
+        refused.append((name, why))
+    raise ValueError("hf_paged: no attention backend takes this layer: "
+                     + "; ".join(f"{name} does not take {why}" for name, why in refused))

@@ -6,9 +6,10 @@ a copy, as `[1, Hkv, num_blocks * block_size, D]`, and a `BlockMask` whose KV ti
 blocks lists, for every query tile, the physical blocks of its sequence (its block-table row). The
 mask function maps a slot back to its position in the sequence (`block_pos`: each block's index in
 its sequence's table, the same for every sequence that shares it by prefix caching) and applies
-causality and the sliding window there. Blocks a query sees whole skip the mask function (the
-"full" tiles). GQA runs without repeating K/V (`enable_gqa`), softcapping is a score modifier, and a
-sink rescales the output by its share of the denominator (from the returned log-sum-exp).
+causality, the sliding window and the local chunk (keys from `(pos // C) * C` on) there. Blocks a
+query sees whole skip the mask function (the "full" tiles). GQA runs without repeating K/V
+(`enable_gqa`), softcapping is a score modifier, and a sink rescales the output by its share of the
+denominator (from the returned log-sum-exp).
 
 Two kinds of call per step and KV group, each one compiled kernel per shape bucket:
 
@@ -20,9 +21,10 @@ Two kinds of call per step and KV group, each one compiled kernel per shape buck
 Shapes are static per bucket (the CPU template does not compile dynamic shapes in this torch), so a
 server compiles each bucket once, the first time a step of that shape comes, and never per step;
 `compile_seconds` records the first call of every bucket (compile included), and the first
-compile is logged. Quantised caches, K/V of another dtype than the query, calls autograd would
-differentiate, and sinks on the CPU (Inductor's CPU template returns no log-sum-exp) run on the
-torch path (`torch_paged`) instead.
+compile is logged. What it takes is declared in `backend.py` (its `Capabilities`): quantised
+caches, K/V of another dtype than the query, strided (byte-page) caches (the pool is viewed as one
+key sequence), calls autograd would differentiate, and sinks on the CPU (Inductor's CPU template
+returns no log-sum-exp) run on the torch path (`torch_paged`) instead.
 
 Owns the flex plans and kernels; it knows no request, cache or transformers object.
 """
@@ -87,12 +89,14 @@ class _Call:
             self._tiles.append((seq, first, last))
         self.block_tables, self.block_size = block_tables, block_size
         self.num_blocks, self.device = num_blocks, device
-        self._masks: dict[int | None, object] = {}
+        self._masks: dict[tuple[int | None, int | None], object] = {}
 
-    def mask(self, sliding_window: int | None, block_pos: torch.Tensor):
-        """The `BlockMask` of this call under `sliding_window`, memoised (every layer of the kind shares it)."""
-        if sliding_window in self._masks:
-            return self._masks[sliding_window]
+    def mask(self, sliding_window: int | None, block_pos: torch.Tensor, chunk_size: int | None = None):
+        """The `BlockMask` of this call under `sliding_window` and `chunk_size`, memoised (every layer
+        of the kind shares it)."""
+        kind = (sliding_window, chunk_size)
+        if kind in self._masks:
+            return self._masks[kind]
         from torch.nn.attention.flex_attention import BlockMask
 
         size = self.block_size
@@ -105,12 +109,18 @@ class _Call:
             if seq is None:
                 continue
             lo = 0 if sliding_window is None else max(0, first - sliding_window + 1)
+            if chunk_size is not None:
+                lo = max(lo, first // chunk_size * chunk_size)
+            # every query of the tile sees keys from `common` on (up to `first`)
+            common = 0 if sliding_window is None else last - sliding_window + 1
+            if chunk_size is not None:
+                common = max(common, last // chunk_size * chunk_size)
             whole, part = [], []
             table = self.block_tables[seq]
             for b in range(lo // size, last // size + 1):
                 start, end = b * size, b * size + size - 1
-                # seen whole by every query of the tile: inside [last - w + 1, first]
-                seen_whole = end <= first and (sliding_window is None or start > last - sliding_window)
+                # seen whole by every query of the tile: inside [common, first]
+                seen_whole = end <= first and start >= common
                 (whole if seen_whole else part).append(table[b])
             num_partial[0, 0, tile], num_full[0, 0, tile] = len(part), len(whole)
             partial[0, 0, tile, :len(part)] = torch.tensor(part, dtype=torch.int32)
@@ -123,13 +133,15 @@ class _Call:
             seen = pos <= qp
             if sliding_window is not None:
                 seen = seen & (pos > qp - sliding_window)
+            if chunk_size is not None:
+                seen = seen & (pos >= torch.div(qp, chunk_size, rounding_mode="floor") * chunk_size)
             return seen
 
         mask = BlockMask.from_kv_blocks(
             num_partial.to(self.device), partial.to(self.device), num_full.to(self.device), full.to(self.device),
             BLOCK_SIZE=(self.q_tile, size), mask_mod=mask_mod, seq_lengths=(self.padded, self.num_blocks * size),
             compute_q_blocks=False)
-        self._masks[sliding_window] = mask
+        self._masks[kind] = mask
         return mask
 
 
@@ -171,20 +183,6 @@ class FlexPlan:
                 self.calls.append(_Call(rows_of(s), PREFILL_TILE, padded, tables, lens, block_size, num_blocks, device))
 
 
-def can_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scales,
-            sinks: torch.Tensor | None = None) -> bool:
-    """Whether flex reads this call's tensors (else the torch path runs it). Sinks need the returned
-    log-sum-exp, which Inductor's CPU template does not give."""
-    if scales is not None or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        return False
-    if sinks is not None and query.device.type == "cpu":
-        return False
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        return False
-    return not (torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad
-                                             or value_cache.requires_grad))
-
-
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], packed by cu_seqlens_q
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -194,6 +192,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]
+    chunk_size: int | None = None,
 ) -> torch.Tensor | None:  # [num_tokens, num_q_heads, head_dim_v]
     """`torch_paged.paged_attention`'s contract over `plan`'s calls (see the module docstring); None
     when a call's shape is past the compile limit (`RECOMPILE_LIMIT` shapes): the caller runs the
@@ -213,9 +212,10 @@ def paged_attention(
         q = query.new_zeros(call.padded, num_q_heads, head_dim)
         q[:call.num_rows] = query[call.token_index]
         q = q.transpose(0, 1)[None]  # [1, Hq, padded, D]
-        mask = call.mask(sliding_window, plan.block_pos)
+        mask = call.mask(sliding_window, plan.block_pos, chunk_size)
         bucket = (call.padded, call.q_tile, num_blocks, block_size, num_q_heads, num_kv_heads, head_dim, head_dim_v,
-                  query.dtype, query.device.type, sliding_window is not None, softcap is not None)
+                  query.dtype, query.device.type, sliding_window is not None, chunk_size is not None,
+                  softcap is not None)
         first = bucket not in compile_seconds
         start = time.perf_counter()
         # Past the limit torch.compile would run flex eagerly, which reads this block mask wrongly

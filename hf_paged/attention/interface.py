@@ -46,9 +46,17 @@ class LazyMask:
     # prepare it again, which reads `ndim` and treats anything but a 2-D padding mask as prepared.
     ndim = 4
 
-    def __init__(self, kwargs: dict):
+    def __init__(self, kwargs: dict, index=None):
         self._kwargs = kwargs
+        self._index = index  # what the model sliced the mask with (see `__getitem__`), None: whole
         self._built: dict[str, torch.Tensor | None] = {}
+
+    def __getitem__(self, index) -> "LazyMask":
+        """The mask of a slice of the queries: Gemma 4 keeps only the last `logits_to_keep` queries in its
+        KV-sharing layers (`mask[:, :, -n:, :]`); the dense mask is sliced when built."""
+        if self._index is not None:
+            raise TypeError("hf_paged: a LazyMask is sliced once (transformers slices the queries of later layers once)")
+        return LazyMask(self._kwargs, index)
 
     @property
     def is_plain_causal(self) -> bool:
@@ -62,12 +70,14 @@ class LazyMask:
         """The mask transformers' `sdpa` ("sdpa") or `eager` ("eager") implementation would get."""
         if kind not in self._built:
             fn = sdpa_mask if kind == "sdpa" else eager_mask
-            self._built[kind] = fn(**self._kwargs)
+            mask = fn(**self._kwargs)
+            self._built[kind] = mask[self._index] if mask is not None and self._index is not None else mask
         return self._built[kind]
 
 
-# .step: the PAGED step whose forward this thread runs next, else None; .written: weak references to
-# the key and value blocks the cache last handed a layer in a PAGED step, and to that step.
+# .step: the PAGED step whose forward this thread runs next, else None; .written: for the PAGED step whose
+# forward runs, [{layer: (keys, values)} the cache handed each layer, the step, the last (keys, values)
+# handed out], all weak references.
 _pending = threading.local()
 
 
@@ -83,13 +93,20 @@ class UnsupportedModelError(ValueError):
 
 
 def note_paged_write(keys: torch.Tensor | None, values: torch.Tensor | None = None,
-                     step: StepMetadata | None = None) -> None:
-    """Record (or forget, with None) the key and value blocks the cache just handed a layer in `step`, a
-    PAGED step. Attention that receives them without the step's metadata was called by a layer that
-    does not pass its keyword arguments on; attention that receives that step's metadata with other
-    tensors was called by a module that changed the K/V after `cache.update` (see
-    `paged_attention_forward`). Weak references: a record never keeps a pool or a step alive."""
-    _pending.written = None if keys is None else (weakref.ref(keys), weakref.ref(values), weakref.ref(step))
+                     step: StepMetadata | None = None, layer_idx: int | None = None) -> None:
+    """Record (or forget, with None) the key and value blocks the cache just handed layer `layer_idx` in
+    `step`, a PAGED step. Attention that receives them without the step's metadata was called by a layer
+    that does not pass its keyword arguments on; attention that receives that step's metadata with
+    other tensors than its layer's (or, for a layer reading another's K/V, its source's) was called by
+    a module that changed the K/V after `cache.update` (see `paged_attention_forward`). Weak
+    references: a record never keeps a pool or a step alive."""
+    if keys is None:
+        _pending.written = None
+        return
+    written = getattr(_pending, "written", None)
+    if written is None or written[1]() is not step:
+        written = _pending.written = [{}, weakref.ref(step), None]
+    written[0][layer_idx] = written[2] = (weakref.ref(keys), weakref.ref(values))
 
 
 def paged_mask(**kwargs) -> "LazyMask | torch.Tensor | None":
@@ -129,9 +146,16 @@ def paged_attention_forward(
             )
         if kwargs.get("output_attentions"):
             raise ValueError("hf_paged's paged attention cannot return attention weights; use attn_implementation='eager'")
+        meta = paged_metadata
+        if query.shape[2] != meta.q_len:  # Gemma 4's KV-sharing layers keep only the last queries
+            meta = meta.last_columns(query.shape[2])
+        layer_idx = getattr(module, "layer_idx", None)
+        if not isinstance(layer_idx, int):
+            layer_idx = meta.active_layer
+        # A layer reading another layer's K/V (Gemma 3n/4 "reuse" layers) gets its source's blocks.
+        source = meta.source_of(layer_idx)
         written = getattr(_pending, "written", None)
-        if written is not None and written[2]() is paged_metadata and (
-                key is not written[0]() or value is not written[1]()):
+        if written is not None and written[1]() is meta.parent and not _is_written(written, source, key, value):
             raise UnsupportedModelError(
                 f"hf_paged: {type(module).__name__} passes its attention other K/V than the blocks "
                 "PagedCache.update returned (it transforms the cached states after the update, as DiffLlama "
@@ -139,32 +163,22 @@ def paged_attention_forward(
                 "that; attn_implementation='hf_paged' cannot serve this model: load it with "
                 "attn_implementation='sdpa' or 'eager'"
             )
-        meta = paged_metadata
-        layer_idx = getattr(module, "layer_idx", None)
-        if not isinstance(layer_idx, int):
-            layer_idx = meta.active_layer
         group = meta.group_of(layer_idx)
-        kept = meta.group_windows[group] if meta.group_windows else None
-        if kept is not None and sliding_window is None:
-            # The config slides this layer (as transformers' DynamicCache and the model's own mask read
-            # it: PhiMoE, Qwen2-MoE) but its attention names no window: attend over the kept window.
-            sliding_window = kept
-        if kept is not None and sliding_window > kept:
-            raise ValueError(
-                f"hf_paged: layer {layer_idx} attends with sliding_window={sliding_window}, but its KV blocks are kept "
-                f"for a window of {kept} tokens only (the model config's layer_types / sliding_window disagree with "
-                "its attention)"
-            )
+        sliding_window, chunk_size = _layer_mask(meta, layer_idx, group, sliding_window)
         if meta.plan is None:  # metadata no cache began (a caller's own step): plan it once, here
             meta.plan = dispatch.plan(meta)
-        scales = meta.kv_scales.get(layer_idx)
+        scales = meta.kv_scales.get(source)
         if scales is None and key.element_size() == 1:
             raise ValueError(
                 f"hf_paged: the attention got {key.dtype} (quantised) blocks whose scales this step never registered; "
                 "pass the key/value tensors PagedCache.update returned to the attention unchanged"
             )
+        query = meta.pack(query)
+        if meta.num_columns == 0 and getattr(module, "attn_temperature_tuning", False) \
+                and not getattr(module, "use_rope", True):
+            query = _packed_temperature(module, query, meta)
         out = dispatch.paged_attention(
-            meta.pack(query),
+            query,
             key,
             value,
             meta.block_tables_of(group),
@@ -178,10 +192,11 @@ def paged_attention_forward(
             sinks=s_aux,
             plan=meta.plan,
             scales=scales,
+            chunk_size=chunk_size,
         )
         return meta.unpack(out), None
     written = getattr(_pending, "written", None)
-    if written is not None and key is written[0]():
+    if written is not None and any(key is k() for k, _ in written[0].values()):
         raise UnsupportedModelError(
             f"hf_paged: {type(module).__name__} got the paged cache's K/V blocks without the step's metadata: a "
             "decoder layer of this model does not pass its keyword arguments on to its attention, so "
@@ -191,6 +206,63 @@ def paged_attention_forward(
                             s_aux, **kwargs)
 
 
+def _packed_temperature(module, query: torch.Tensor, meta: StepMetadata) -> torch.Tensor:  # [num_tokens, heads, dim]
+    """Llama 4's NoPE layers scale each query by `log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`
+    (attention temperature tuning) with `p = arange(q_len) + cache.get_seq_length()`: in an engine step
+    (sequences packed in one row, no columns) that counts packed indices, not each token's position in
+    its sequence. Rescale to the positions stock computes for each sequence alone. Where the packed index
+    gave scale 1 (index < floor_scale - 1: every token of a step below ~8k tokens) the product is
+    stock's exactly; above, the wrong scale is divided out first."""
+    num_tokens = query.shape[0]
+    device = query.device
+    cu, seq_lens = meta.cu_seqlens_q.to(device).long(), meta.seq_lens.to(device).long()
+    q_lens = cu[1:] - cu[:-1]
+    seq = torch.repeat_interleave(torch.arange(q_lens.shape[0], device=device), q_lens, output_size=num_tokens)
+    index = torch.arange(num_tokens, device=device)
+    positions = index - cu[seq] + (seq_lens - q_lens)[seq]
+
+    def scale(p):  # [num_tokens] float32, as the module computes it
+        return torch.log1p(torch.floor((p.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    wrong, right = scale(index)[:, None, None], scale(positions)[:, None, None]
+    if num_tokens + 1 >= module.floor_scale:
+        query = query / wrong
+    return (query * right).to(query.dtype)
+
+
+def _is_written(written, layer_idx: int | None, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `key`/`value` are the blocks the cache handed layer `layer_idx` in the recorded step, or
+    the blocks it handed out last (a module whose `layer_idx` is not its cache layer's)."""
+    for blocks in (written[0].get(layer_idx), written[2]):
+        if blocks is not None and key is blocks[0]() and value is blocks[1]():
+            return True
+    return False
+
+
+def _layer_mask(meta: StepMetadata, layer_idx: int | None, group: int,
+                sliding_window: int | None) -> tuple[int | None, int | None]:
+    """(sliding_window, chunk_size) layer `layer_idx` attends with: the window its attention names,
+    else its spec's (the config slides the layer, as transformers' DynamicCache and the model's own
+    mask read it, but its attention names no window: PhiMoE, Qwen2-MoE), and its spec's chunk (Llama 4
+    names none). Raises ValueError when its blocks are kept for less than that reads."""
+    own = meta.mask_of(layer_idx)
+    kept = meta.group_masks[group] if meta.group_masks else None
+    if sliding_window is None:
+        sliding_window = own.window
+    if kept is not None and kept.window is not None and (sliding_window is None or sliding_window > kept.window):
+        raise ValueError(
+            f"hf_paged: layer {layer_idx} attends with sliding_window={sliding_window}, but its KV blocks are kept "
+            f"for a window of {kept.window} tokens only (the model config's layer_types / sliding_window disagree "
+            "with its attention)"
+        )
+    if kept is not None and kept.chunk is not None and own.chunk != kept.chunk:
+        raise ValueError(
+            f"hf_paged: layer {layer_idx} attends with attention_chunk_size={own.chunk}, but its KV blocks are kept "
+            f"for chunks of {kept.chunk} tokens only"
+        )
+    return sliding_window, own.chunk
+
+
 def _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux,
                      **kwargs):
     needs_eager = softcap is not None or s_aux is not None or kwargs.get("output_attentions", False)
@@ -198,7 +270,8 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         if isinstance(attention_mask, LazyMask):
             mask = attention_mask.build("eager")
         else:
-            mask = _additive_mask(attention_mask, query, key, sliding_window, getattr(module, "is_causal", True))
+            mask = _additive_mask(attention_mask, query, key, sliding_window, getattr(module, "is_causal", True),
+                                  _chunk_of(module))
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", _eager_attention)
         extra = {"softcap": softcap} if softcap is not None else {}
         if s_aux is not None:
@@ -206,13 +279,28 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         return eager(module, query, key, value, mask, dropout=dropout, scaling=scaling,
                      sliding_window=sliding_window, **extra, **kwargs)
     mask = attention_mask.build("sdpa") if isinstance(attention_mask, LazyMask) else attention_mask
+    if mask is None and getattr(module, "is_causal", True) and 1 < query.shape[2] < key.shape[2]:
+        # The model kept only the last queries (Gemma 4's KV-sharing layers, `logits_to_keep`) where sdpa's
+        # mask was skipped: sdpa's own `is_causal` would align them top-left; they are the last positions.
+        mask = _additive_mask(None, query, key, sliding_window, True, _chunk_of(module))
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _additive_mask(mask, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None, causal: bool = True):
+def _chunk_of(module) -> int | None:
+    """The attention chunk of a chunked-attention layer (Llama 4's, from its config's `layer_types`), else None."""
+    config, idx = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(idx, int) and types and idx < len(types) and types[idx] == "chunked_attention":
+        return getattr(config, "attention_chunk_size", None)
+    return None
+
+
+def _additive_mask(mask, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None, causal: bool = True,
+                   chunk_size: int | None = None):
     """The eager (additive float) form of an sdpa mask, as transformers' `eager_mask` builds it: a bool
     mask becomes 0 / dtype-min; None (sdpa's skip: no padding) becomes the causal mask (sliding-window
-    if the layer slides) for a causal module, and stays None (attend to everything) for another."""
+    if the layer slides, chunked if it attends in chunks) for a causal module, and stays None (attend to
+    everything) for another. Without padding, column i is position i, so chunks start at column 0."""
     if mask is not None and mask.dtype != torch.bool:
         return mask
     if mask is None and not causal:
@@ -224,6 +312,8 @@ def _additive_mask(mask, query: torch.Tensor, key: torch.Tensor, sliding_window:
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= k_pos > q_pos - sliding_window
+        if chunk_size is not None:
+            mask &= k_pos // chunk_size == q_pos // chunk_size
         mask = mask[None, None]
     return torch.where(mask, torch.tensor(0.0, dtype=query.dtype, device=query.device),
                        torch.finfo(query.dtype).min)

@@ -19,10 +19,12 @@ scheduled sequence back to back (`build_packed_metadata`), so `batch_size` is 1 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+
+from ..kv_spec import MaskRule
 
 PAGED = "paged"  # attention reads K/V straight from the blocks (the "hf_paged" attention)
 DENSE = "dense"  # update() returns gathered [batch, kv_heads, kv_len, head_dim] K/V (sdpa/eager)
@@ -56,8 +58,14 @@ class StepMetadata:
             row's first held block: finite K/V of the same sequence, masked out by the window (the
             Triton kernels start at the window rounded down to their tile, so they may load a
             released entry's block; the torch path gathers it; both give it weight exactly 0). `block_tables` / `slot_mapping` are group 0's.
-        layer_group: per layer, its group (None: one group).
-        group_windows: per group, the sliding window its blocks are kept for (None: full attention).
+        layer_group: per layer, its group (None: one group). A layer that reads another layer's K/V
+            (`kv_spec.SharedKV`, Gemma 3n/4) is in its source's group.
+        group_masks: per group, the `kv_spec.MaskRule` its blocks are kept for (window: the last
+            `window` tokens; chunk: the current chunk; neither: every token). None: full attention.
+        layer_masks: per layer, the `MaskRule` its attention applies (its own kind, even when the
+            blocks are kept for more, as with `enable_hybrid_kv=False`); None: each layer's group's.
+            Llama 4 passes its attention no chunk: this is where the chunk comes from.
+        layer_source: per layer, the layer whose K/V it reads (itself unless `SharedKV`); None: itself.
         key_limits: [num_tokens] int64, the last key position each packed token may see: its own
             position (causal), or further for tokens that attend both ways (the placeholders of one
             Gemma 3 image, all in this step). None: every token is causal. Only the torch backend
@@ -81,7 +89,9 @@ class StepMetadata:
     group_block_tables: tuple[torch.Tensor, ...] = ()
     group_slot_mapping: tuple[torch.Tensor, ...] = ()
     layer_group: tuple[int, ...] | None = None
-    group_windows: tuple[int | None, ...] | None = None
+    group_masks: tuple[MaskRule, ...] | None = None
+    layer_masks: tuple[MaskRule, ...] | None = None
+    layer_source: tuple[int, ...] | None = None
     key_limits: torch.Tensor | None = None
     active_layer: int | None = None  # the layer whose K/V the cache stored last (its attention runs next)
     layers_done: set[int] = field(default_factory=set)
@@ -92,6 +102,41 @@ class StepMetadata:
     # The step's attention plan (`plan.StepPlan`: backend, launch plans, scratch), made by the cache
     # when the step begins (`dispatch.plan`); None until then.
     plan: object = field(default=None, repr=False)
+    # `last_columns` views of this step, by column count; and, on such a view, the step it was made from.
+    _last: dict = field(default_factory=dict, repr=False)
+    _parent: object = field(default=None, repr=False)
+
+    @property
+    def parent(self) -> "StepMetadata":
+        """The step the model's forward runs (itself, unless this is a `last_columns` view of it)."""
+        return self if self._parent is None else self._parent
+
+    def last_columns(self, num: int) -> "StepMetadata":
+        """The step as layers see it that run on the last `num` columns of the padded batch only (Gemma 4
+        drops every query but those it returns logits for, `logits_to_keep`, in its KV-sharing layers,
+        which read K/V and write none). Rows are left-padded, so a row keeps its last min(its new
+        tokens, num) queries; K/V, tables and scales are the step's. Made once per step (one host read
+        of the query lengths)."""
+        if not 0 < num <= self.q_len:
+            raise ValueError(f"hf_paged: the attention got {num} queries per row, but the step has {self.q_len} "
+                             "(only a model that keeps the last queries, as Gemma 4's KV-sharing layers do, may differ)")
+        view = self._last.get(num)
+        if view is None:
+            cu = self.cu_seqlens_q.tolist()
+            kept = [min(b - a, num) for a, b in zip(cu, cu[1:])]
+            new_cu = [0]
+            for n in kept:
+                new_cu.append(new_cu[-1] + n)
+            device = self.cu_seqlens_q.device
+            token_index = None
+            if sum(kept) != self.batch_size * num:
+                token_index = host_to_device([row * num + col for row, n in enumerate(kept)
+                                              for col in range(num - n, num)], torch.long, device)
+            view = self._last[num] = replace(
+                self, q_len=num, cu_seqlens_q=host_to_device(new_cu, torch.int32, device), token_index=token_index,
+                max_seqlen_q=max(kept, default=0), _last={}, _parent=self, kv_scales=self.kv_scales,
+                plan=None if self.plan is None else self.plan.for_other_queries())
+        return view
 
     @property
     def num_tokens(self) -> int:
@@ -105,6 +150,24 @@ class StepMetadata:
         self.layers_done.clear()
         self.kv_scales.clear()
         self.dense_index.clear()
+        self._last.clear()
+
+    @property
+    def group_windows(self) -> tuple[int | None, ...] | None:
+        """Per group, the sliding window its blocks are kept for (None: no window)."""
+        return None if self.group_masks is None else tuple(m.window for m in self.group_masks)
+
+    def mask_of(self, layer_idx: int | None) -> MaskRule:
+        """The mask rule layer `layer_idx`'s attention applies (see `layer_masks`)."""
+        if self.layer_masks is not None and layer_idx is not None:
+            return self.layer_masks[layer_idx]
+        return self.group_masks[self.group_of(layer_idx)] if self.group_masks else MaskRule()
+
+    def source_of(self, layer_idx: int | None) -> int | None:
+        """The layer whose K/V layer `layer_idx` reads (itself unless it shares another's)."""
+        if self.layer_source is None or layer_idx is None:
+            return layer_idx
+        return self.layer_source[layer_idx]
 
     def group_of(self, layer_idx: int | None) -> int:
         """The KV group of layer `layer_idx` (0 for a one-group step or an unknown layer)."""
@@ -170,7 +233,8 @@ def block_table_array(block_tables: list[list[int]], width: int | None = None) -
 
 
 def _varlen_fields(q_lens: list[int], slots, block_tables, seq_lens: list[int], device: torch.device,
-                   group_slots=None, group_block_tables=None, layer_group=None, group_windows=None) -> dict:
+                   group_slots=None, group_block_tables=None, layer_group=None, group_masks=None,
+                   layer_masks=None, layer_source=None, group_windows=None) -> dict:
     """The per-sequence tensors every step has, each one asynchronous host-to-device copy
     (`host_to_device`): building a step never waits for the device.
 
@@ -185,6 +249,8 @@ def _varlen_fields(q_lens: list[int], slots, block_tables, seq_lens: list[int], 
     flat = [[s for row in g for s in row] for g in group_slots]
     mappings = tuple(host_to_device(f, torch.long, device) for f in flat)
     many = len(tables) > 1
+    if group_masks is None and group_windows is not None:
+        group_masks = [MaskRule(window=w) for w in group_windows]
     return dict(
         has_skipped_slots=min((min(f, default=0) for f in flat), default=0) < 0,
         cu_seqlens_q=host_to_device(cu, torch.int32, device),
@@ -194,7 +260,9 @@ def _varlen_fields(q_lens: list[int], slots, block_tables, seq_lens: list[int], 
         group_block_tables=tables if many else (),
         group_slot_mapping=mappings if many else (),
         layer_group=tuple(layer_group) if many else None,
-        group_windows=tuple(group_windows) if group_windows is not None else None,
+        group_masks=tuple(group_masks) if group_masks is not None else None,
+        layer_masks=tuple(layer_masks) if layer_masks is not None else None,
+        layer_source=tuple(layer_source) if layer_source is not None else None,
         max_seqlen_q=max(q_lens, default=0),
         max_seqlen_k=max(seq_lens, default=0),
     )
@@ -214,6 +282,9 @@ def build_step_metadata(
     group_slots: list[list[list[int]]] | None = None,
     group_block_tables: list[list[list[int]]] | None = None,
     layer_group: tuple[int, ...] | None = None,
+    group_masks: tuple[MaskRule, ...] | None = None,
+    layer_masks: tuple[MaskRule, ...] | None = None,
+    layer_source: tuple[int, ...] | None = None,
     group_windows: tuple[int | None, ...] | None = None,
 ) -> StepMetadata:
     """Turn the block manager's per-row answers into device tensors (one host-to-device copy each).
@@ -224,6 +295,8 @@ def build_step_metadata(
         block_tables, seq_lens: per row, after this step.
         group_slots, group_block_tables, layer_group: the same per KV group, for a model with several
             (instead of `slots` / `block_tables`); `layer_group[i]` is layer i's group.
+        group_masks, layer_masks, layer_source: see `StepMetadata` (`KVOwner.group_layout`);
+            `group_windows` (per group, a window or None) is the older spelling of `group_masks`.
     """
     batch_size = len(seq_lens)
     counts = [len(c) for c in real_cols]
@@ -243,7 +316,7 @@ def build_step_metadata(
         num_padding=num_padding,
         copies=copies,
         **_varlen_fields(counts, slots, block_tables, seq_lens, device, group_slots, group_block_tables, layer_group,
-                         group_windows),
+                         group_masks, layer_masks, layer_source, group_windows),
     )
 
 
@@ -258,6 +331,9 @@ def build_packed_metadata(
     group_slots: list[list[list[int]]] | None = None,
     group_block_tables: list[list[list[int]]] | None = None,
     layer_group: tuple[int, ...] | None = None,
+    group_masks: tuple[MaskRule, ...] | None = None,
+    layer_masks: tuple[MaskRule, ...] | None = None,
+    layer_source: tuple[int, ...] | None = None,
     group_windows: tuple[int | None, ...] | None = None,
     key_limits: list[int] | None = None,
 ) -> StepMetadata:
@@ -268,7 +344,8 @@ def build_packed_metadata(
         key_limits: per packed token, the last key position it may see (see `StepMetadata`); None: causal.
         slots: per sequence, the slot of each of those tokens (-1: prefix-cache hit, nothing to write).
         block_tables, seq_lens: per sequence, after this step.
-        group_slots, group_block_tables, layer_group: per KV group (see `build_step_metadata`).
+        group_slots, group_block_tables, layer_group, group_masks, layer_masks, layer_source,
+            group_windows: per KV group and layer (see `build_step_metadata`).
     """
     return StepMetadata(
         mode=PAGED,
@@ -280,5 +357,5 @@ def build_packed_metadata(
         copies=copies,
         key_limits=None if key_limits is None else host_to_device(key_limits, torch.long, device),
         **_varlen_fields(q_lens, slots, block_tables, seq_lens, device, group_slots, group_block_tables,
-                         layer_group, group_windows),
+                         layer_group, group_masks, layer_masks, layer_source, group_windows),
     )

@@ -3,19 +3,21 @@
 FlashInfer splits attention into `plan()`, host-side and once per batch, and `run()`, once per layer;
 vLLM v1 builds its `AttentionMetadata` once per step and each layer's backend impl only runs. Ours:
 
-    dispatch.plan(step, workspace)   once per step (`KVOwner.begin` / `PagedCache.plan_step`):
-        the backend ("cpu" / "torch" / "flex" / "triton"), read from HF_PAGED_BACKEND here and nowhere per layer
-        (once per step, not per engine: a test or a server that switches it between steps is
-        obeyed from the next step on), and the cache's scratch `Workspace`
+    dispatch.plan(step, workspace, backend=None)   once per step (`KVOwner.begin` / `PagedCache.plan_step`):
+        the backends ("cpu" / "torch" / "flex" / "triton", then their fallbacks; see `backend.py`):
+        the caller's choice, else HF_PAGED_BACKEND read here and nowhere per layer (once per step,
+        not per engine: a test or a server that switches it between steps is obeyed from the next
+        step on), and the cache's scratch `Workspace`
     dispatch.store_kv(..., plan=)    per layer: writes with the plan's backend
-    dispatch.paged_attention(..., plan=)   per layer, the `run()`: the plan's kernel, tiling,
-        split count, tuned config and scratch, as planned
+    dispatch.paged_attention(..., plan=)   per layer, the `run()`: the first of the plan's backends
+        that declares the layer, with its kernel, tiling, split count, tuned config and scratch, as
+        planned
 
 What a step's layers share depends on each layer's shapes (head counts, head dims, dtypes, block
-size, sliding window), which FlashInfer's `plan()` takes as arguments. Ours reads them off the first
+size, mask rule), which FlashInfer's `plan()` takes as arguments. Ours reads them off the first
 layer of each kind that runs and memoises the result on the plan (`triton_plan`, `torch_plan`):
-later layers of the kind, usually all of them, do a dictionary lookup and launch. A model has one or
-two kinds (full and sliding layers).
+later layers of the kind, usually all of them, do a dictionary lookup and launch. A model has one to
+three kinds (full, sliding and chunked layers).
 
     per kind, Triton decode   `triton.decode.DecodePlan`: query tiling, split count, config, and the
                               split-K partials [num_splits, num_tokens, num_q_heads, head_dim_v] and
@@ -48,14 +50,18 @@ class StepPlan:
     """The attention plan of one step (see the module docstring). Build it with `dispatch.plan`.
 
     Attributes:
-        backend: "cpu", "torch", "flex" or "triton", fixed for the step.
+        backend: the step's backend ("cpu", "torch", "flex", "triton" or a registered one), fixed for
+            the step: the one chosen (or the first of auto's that serves the step's device).
+        backends: `backend`, then the fallbacks that run the layers it does not declare, in order.
         workspace: the cache's scratch buffers (None: every launch plan allocates its own).
         num_layer_plans: launch plans made so far: one per layer kind (Triton) or KV group (torch),
             never one per layer.
     """
 
-    def __init__(self, backend: str, workspace: Workspace | None = None, key_limits: torch.Tensor | None = None):
+    def __init__(self, backend: str, workspace: Workspace | None = None, key_limits: torch.Tensor | None = None,
+                 fallbacks: tuple[str, ...] = ()):
         self.backend = backend
+        self.backends = (backend, *fallbacks)
         self.workspace = workspace
         self.key_limits = key_limits  # [num_tokens] the step's `StepMetadata.key_limits` (torch only)
         self._triton: dict[tuple, object] = {}  # layer kind -> DecodePlan / PrefillPlan
@@ -63,72 +69,58 @@ class StepPlan:
         self._flex: list[tuple[torch.Tensor, tuple, FlexPlan]] = []  # (block_tables, (block_size, pool), plan)
         self.num_layer_plans = 0
 
+    def for_other_queries(self) -> "StepPlan":
+        """A plan for a view of this step with other queries (`StepMetadata.last_columns`): the same
+        backends, chosen once for the step, and none of the launch plans made for these queries."""
+        return StepPlan(self.backend, None, None, self.backends[1:])
+
     @property
     def launch_plans(self) -> list:
         """The Triton launch plans made so far, one per layer kind."""
         return list(self._triton.values())
 
-    def triton_plan(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
-        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        sliding_window: int | None,
-    ):
+    def triton_plan(self, call):
         """The Triton launch plan (`DecodePlan` up to MAX_DECODE_QUERY_LEN queries per sequence, else
-        `PrefillPlan`) of layers shaped like these arguments, made by the first of them."""
-        kind = (query.shape, query.dtype, key_cache.shape[1:], value_cache.shape[3], key_cache.dtype,
-                block_tables.shape[0], max_seqlen_q, max_seqlen_k, sliding_window)
+        `PrefillPlan`) of layers shaped like `call`, made by the first of them."""
+        query, key_cache = call.query, call.key_cache
+        kind = (query.shape, query.dtype, key_cache.shape[1:], call.value_cache.shape[3], key_cache.dtype,
+                call.block_tables.shape[0], call.max_seqlen_q, call.max_seqlen_k, call.mask)
         plan = self._triton.get(kind)
         if plan is None:
-            plan = self._triton[kind] = self._plan_triton(query, key_cache, value_cache, block_tables.shape[0],
-                                                          max_seqlen_q, max_seqlen_k, sliding_window)
+            plan = self._triton[kind] = self._plan_triton(call)
             self.num_layer_plans += 1
         return plan
 
-    def _plan_triton(self, query, key_cache, value_cache, num_seqs, max_seqlen_q, max_seqlen_k, sliding_window):
+    def _plan_triton(self, call):
+        query, key_cache = call.query, call.key_cache
         shapes = dict(num_q_heads=query.shape[1], num_kv_heads=key_cache.shape[2], head_dim=query.shape[2],
-                      head_dim_v=value_cache.shape[3], block_size=key_cache.shape[1], dtype=query.dtype,
-                      kv_dtype=key_cache.dtype, max_seqlen_q=max_seqlen_q, device=query.device)
-        if max_seqlen_q <= MAX_DECODE_QUERY_LEN:
+                      head_dim_v=call.value_cache.shape[3], block_size=key_cache.shape[1], dtype=query.dtype,
+                      kv_dtype=key_cache.dtype, max_seqlen_q=call.max_seqlen_q, device=query.device)
+        if call.max_seqlen_q <= MAX_DECODE_QUERY_LEN:
             from .triton.decode import plan_decode
 
-            return plan_decode(**shapes, num_tokens=query.shape[0], num_seqs=num_seqs, max_seqlen_k=max_seqlen_k,
-                               sliding_window=sliding_window, workspace=self.workspace)
+            return plan_decode(**shapes, num_tokens=query.shape[0], num_seqs=call.block_tables.shape[0],
+                               max_seqlen_k=call.max_seqlen_k, sliding_window=call.mask.window,
+                               chunk_size=call.mask.chunk, workspace=self.workspace)
         from .triton.prefill import plan_prefill
 
         return plan_prefill(**shapes)
 
-    def flex_plan(
-        self,
-        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, one of the step's KV groups'
-        seq_lens: torch.Tensor,  # [num_seqs] int32
-        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
-        block_size: int,
-        num_blocks: int,  # the pool's
-    ) -> FlexPlan:
-        """The flex backend's calls, masks and block positions over `block_tables`, made by the first
-        layer that reads that table."""
-        return self._per_table(self._flex, block_tables, (block_size, num_blocks),
-                               lambda: FlexPlan(block_tables, seq_lens, cu_seqlens_q, block_size, num_blocks))
+    def flex_plan(self, call) -> FlexPlan:
+        """The flex backend's calls, masks and block positions over `call.block_tables` (one of the
+        step's KV groups'), made by the first layer that reads that table."""
+        block_size, num_blocks = call.key_cache.shape[1], call.key_cache.shape[0]
+        return self._per_table(self._flex, call.block_tables, (block_size, num_blocks), lambda: FlexPlan(
+            call.block_tables, call.seq_lens, call.cu_seqlens_q, block_size, num_blocks))
 
-    def torch_plan(
-        self,
-        block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32, one of the step's KV groups'
-        seq_lens: torch.Tensor,  # [num_seqs] int32
-        cu_seqlens_q: torch.Tensor,  # [num_seqs + 1] int32
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        block_size: int,
-    ) -> AttentionPlan:
-        """The torch path's indices and masks over `block_tables`, made by the first layer that reads
-        that table (one host sync per step and KV group)."""
-        return self._per_table(self._torch, block_tables, (block_size,), lambda: AttentionPlan(
-            block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k, block_size, workspace=self.workspace,
-            key_limits=self.key_limits, native=self.backend == "cpu"))
+    def torch_plan(self, call) -> AttentionPlan:
+        """The torch path's indices and masks over `call.block_tables` (one of the step's KV groups'),
+        made by the first layer that reads that table (one host sync per step and KV group). On a
+        "cpu" step it also holds the native kernel's runs."""
+        block_size = call.key_cache.shape[1]
+        return self._per_table(self._torch, call.block_tables, (block_size,), lambda: AttentionPlan(
+            call.block_tables, call.seq_lens, call.cu_seqlens_q, call.max_seqlen_q, call.max_seqlen_k, block_size,
+            workspace=self.workspace, key_limits=self.key_limits, native=self.backend == "cpu"))
 
     def _per_table(self, plans: list, block_tables: torch.Tensor, key: tuple, build):
         """The plan in `plans` made for this very `block_tables` tensor (a KV group's) and `key`, else

@@ -49,12 +49,14 @@ def causal_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
     key_limits: torch.Tensor | None = None,  # [q_len] the last key position each query sees (None: its own)
+    chunk_size: int | None = None,
 ) -> torch.Tensor:  # [q_len, num_q_heads, head_dim_v] float64
     """Dense causal attention of one sequence, in float64 (with `key_limits`, query i sees keys up to
     `key_limits[i]` instead of its own position: an image block attended both ways).
 
     Query `i` sits at position `seq_len - q_len + i` and sees key positions `p <= pos`; with a
-    sliding window `w` only `p > pos - w` (the transformers convention). Softcapping applies to the
+    sliding window `w` only `p > pos - w` (the transformers convention); with a chunk `C` (Llama 4's
+    local attention) only keys of its own chunk, `p >= (pos // C) * C`. Softcapping applies to the
     scaled scores before masking; a sink adds one logit per head to the softmax denominator that
     attends to nothing.
     """
@@ -73,6 +75,9 @@ def causal_attention(
     allowed = p <= (pos if key_limits is None else key_limits.to(query.device)[:, None])
     if sliding_window is not None:
         allowed &= p > pos - sliding_window
+    if chunk_size is not None:
+        chunk_of = torch.tensor([[i // chunk_size for i in range(seq_len)]], device=query.device)  # per key
+        allowed &= chunk_of == chunk_of[0, pos]  # the query's own chunk: no key of an earlier one
     scores = scores.masked_fill(~allowed, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # [H, q, 1]
     if sinks is not None:
@@ -86,7 +91,8 @@ def causal_attention(
 
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
+                    max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None,
+                    chunk_size=None) -> torch.Tensor:
     """The kernels' contract (arguments and shapes as in `torch_paged.paged_attention`), one
     sequence at a time: gather its `seq_len` K/V rows through its block table, then
     `causal_attention` in float64; the result is cast to the query's dtype and has the value
@@ -101,5 +107,6 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
         keys = gather_kv(key_cache, block_tables[b : b + 1], seq_len)[0]
         values = gather_kv(value_cache, block_tables[b : b + 1], seq_len)[0]
         out[cu[b] : cu[b + 1]] = causal_attention(query[cu[b] : cu[b + 1]], keys, values, scale,
-                                                  sliding_window, softcap, sinks).to(query.dtype)
+                                                  sliding_window, softcap, sinks,
+                                                  chunk_size=chunk_size).to(query.dtype)
     return out

@@ -1,11 +1,11 @@
 """The torch backend of paged attention: the CPU path, fast enough to serve.
 
-Owns the torch implementations of the kernel contracts (`store_kv`, `paged_attention`), the
-per-step `AttentionPlan` that every layer of a KV group shares (its gathers take the cache's
-`workspace.Workspace` buffers; re-exported here), and the dense gather for non-paged attention
-implementations (`gather_dense`). It is vectorised over sequences and tokens and reads K/V through
-the block table exactly as the Triton kernels do. It is *not* the
-test oracle: that is `reference.py`, deliberately naive, which this module must never call. It
+Owns the torch implementation of the attention contract (`paged_attention`) and the per-step
+`AttentionPlan` that every layer of a KV group shares (its gathers take the cache's
+`workspace.Workspace` buffers; re-exported here). The torch write (`store_kv`) and the dense
+gather for non-paged attention implementations (`gather_dense`) live in `slots.py` and are
+re-exported here. It is vectorised over sequences and tokens and reads K/V through the block
+table exactly as the Triton kernels do. It is *not* the test oracle: that is `reference.py`, deliberately naive, which this module must never call. It
 knows nothing of requests, caches or transformers.
 """
 
@@ -16,97 +16,9 @@ import torch.nn.functional as F
 
 from ..config import MAX_DECODE_QUERY_LEN
 from . import cpu_kernel
-from .kv_quant import KVScales, dequantize, dynamic_scales, quantize, rotate
+from .kv_quant import KVScales, dequantize, dynamic_scales
+from .slots import gather_dense, is_flat, slots_of, store_kv  # noqa: F401  (re-exported: the torch path's K/V I/O)
 from .workspace import Workspace  # noqa: F401  (re-exported: the torch path's scratch)
-
-
-def store_kv(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim_v]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
-    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = do not write
-    has_skipped_slots: bool = True,  # False: the caller knows there is no -1 (no check, no host sync)
-    scales: KVScales | None = None,  # a quantised cache's scales: rows are quantised into the payload
-) -> None:
-    """Write each token's K/V row into its slot (`block_id * block_size + offset`); skip slot -1.
-
-    K and V may have different head widths (`head_dim_v != head_dim`, e.g. the latent and rotary
-    parts that DeepSeek's multi-head latent attention caches); each cache keeps its own. Rows are
-    cast to each cache's dtype, or, with `scales`, quantised (`kv_quant.quantize`) and their scales
-    written to the same slots."""
-    if has_skipped_slots:
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    if slot_mapping.numel() == 0:
-        return
-    if scales is None:
-        for rows, cache in ((key, key_cache), (value, value_cache)):
-            # view, not flatten: a cache whose slots cannot be viewed flat must fail, not fill a copy
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
-        return
-    quant = scales.quant
-    for rows, cache, scale_cache, static in ((key, key_cache, scales.key, quant.key_scale),
-                                             (value, value_cache, scales.value, quant.value_scale)):
-        payload, row_scales = quantize(rows, quant, static)
-        # one-byte payloads move as uint8 (index_copy_ has no float8 kernel on every device)
-        cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, payload.view(torch.uint8))
-        scale_cache.view(-1, *scale_cache.shape[2:]).index_copy_(0, slot_mapping, row_scales)
-
-
-def slots_of(
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
-    positions: torch.Tensor,  # [n] shared by every sequence, or [num_seqs, n]
-    block_size: int,
-) -> torch.Tensor:  # [num_seqs, n] int64
-    """Physical slot (`block_id * block_size + offset`) of each token position, via the block table."""
-    if positions.dim() == 1:
-        positions = positions.expand(block_tables.shape[0], -1)
-    blocks = block_tables.long().gather(1, positions // block_size)
-    return blocks * block_size + positions % block_size
-
-
-def gather_dense(
-    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
-    step,  # the forward's `StepMetadata` (DENSE mode)
-    dtype: torch.dtype,
-    scales: KVScales | None = None,  # a quantised cache's scales: dequantised in the gather
-    group: int = 0,  # the layer's KV group (its block tables)
-    first_kept: list[int] | None = None,  # per row, first token position the group still holds
-) -> tuple[torch.Tensor, torch.Tensor]:  # [batch, num_kv_heads, num_columns, head_dim], same with head_dim_v
-    """K/V in transformers' padded column order for sdpa/eager, zeros at padding columns, each at
-    its own head width. The gather index is built once per step (on `step.dense_index`) and shared
-    by every layer."""
-    device = key_cache.device
-    index = step.dense_index.get(group)
-    if index is None or index[0].device != device:
-        columns = torch.arange(step.num_columns, device=device)
-        tok = columns[None, :] - step.num_padding.to(device)[:, None]  # [batch, num_columns]
-        valid = tok >= 0
-        if first_kept is not None:  # released sliding-window blocks: zeros, like padding
-            valid &= tok >= torch.as_tensor(first_kept, device=device)[:, None]
-        index = step.dense_index[group] = (slots_of(step.block_tables_of(group).to(device), tok.clamp(min=0),
-                                                    key_cache.shape[1]), valid)
-    slots, valid = index
-    out = []
-    for cache, scale_cache in ((key_cache, None if scales is None else scales.key),
-                               (value_cache, None if scales is None else scales.value)):
-        if scale_cache is None:
-            gathered = cache.flatten(0, 1)[slots]  # [batch, num_columns, heads, dim]
-        else:  # one-byte payloads move as uint8 (advanced indexing of float8 is missing on some torch builds)
-            gathered = cache.view(torch.uint8).flatten(0, 1)[slots].view(cache.dtype)
-        if scale_cache is None:
-            gathered = gathered.to(dtype)
-        else:
-            gathered = dequantize(gathered, scale_cache.flatten(0, 1)[slots], dtype,
-                                  nan_scaled=dynamic_scales(scales.quant))
-            if scales.quant.rotate:
-                gathered = rotate(gathered)
-        gathered = gathered.masked_fill(~valid[:, :, None, None], 0)
-        out.append(gathered.transpose(1, 2).contiguous())
-    return out[0], out[1]
 
 
 # Sequences with at most MAX_DECODE_QUERY_LEN queries are batched into padded attention calls (bucketed by
@@ -169,28 +81,35 @@ class _Group:
         # One sequence whose queries are all its keys: plain causal attention, no mask tensor.
         self.is_plain_causal = is_causal and len(seqs) == 1 and q_lens[seqs[0]] == seq_lens[seqs[0]]
         self.num_kv = seq_lens[seqs[0]] if self.is_plain_causal else self.max_seqlen_k  # keys it really has
-        self._masks: dict[int | None, torch.Tensor] = {}
+        self._masks: dict[tuple[int | None, int | None], torch.Tensor] = {}
 
-    def mask(self, sliding_window: int | None) -> torch.Tensor:  # [Sg, Qmax, Kmax] bool, True = attend
-        if sliding_window not in self._masks:
+    def mask(self, sliding_window: int | None, chunk_size: int | None = None) -> torch.Tensor:  # [Sg, Qmax, Kmax]
+        """bool, True = attend: causal (or up to `key_limits`), after the window's and the chunk's lower
+        bounds (key j >= (p // C) * C). Memoised per (window, chunk): every layer of a kind shares it."""
+        kind = (sliding_window, chunk_size)
+        if kind not in self._masks:
             k_pos, q_pos = self.k_pos[None, None, :], self.q_pos[:, :, None]
             allowed = k_pos <= self.q_limit[:, :, None]
             if sliding_window is not None:
                 allowed &= k_pos > q_pos - sliding_window
+            if chunk_size is not None:
+                allowed &= k_pos >= torch.div(q_pos, chunk_size, rounding_mode="floor") * chunk_size
             # Query rows past a sequence's q_len are padding: let them see key 0 so no row is all -inf.
             allowed[..., 0] |= self.is_pad_row
-            self._masks[sliding_window] = allowed
-        return self._masks[sliding_window]
+            self._masks[kind] = allowed
+        return self._masks[kind]
 
     def gather(self, cache: torch.Tensor, dtype: torch.dtype, buffer: torch.Tensor | None,
                length: int | None = None, scales: torch.Tensor | None = None,
-               dequantized: torch.Tensor | None = None, nan_scaled: bool = False) -> torch.Tensor:
+               dequantized: torch.Tensor | None = None, nan_scaled: bool = False,
+               as_view: bool = False) -> torch.Tensor:
         """[Sg, Hkv, length or Kmax, D] (a strided view) of this group's K or V (D: that cache's own
-        head width), gathered block by block. A quantised cache (`scales`: its
-        [num_blocks, block_size, G, C] scales) is dequantised to `dtype` as it is gathered, into
-        `dequantized` when given (a workspace buffer the size of the gathered blocks)."""
+        head width), gathered block by block, or with `as_view` (`first_block` set, a flat cache)
+        read as a view of the cache. A quantised cache (`scales`: its [num_blocks, block_size, G, C]
+        scales) is dequantised to `dtype` as it is gathered, into `dequantized` when given (a
+        workspace buffer the size of the gathered blocks)."""
         num_kv_heads, head_dim = cache.shape[2:]
-        if self.first_block is not None:  # zero-copy: [1, n * block_size, H, D] -> its first `length` rows
+        if as_view:  # zero-copy: [1, n * block_size, H, D] -> its first `length` rows
             end = self.first_block + self.blocks.numel()
             blocks = cache[self.first_block:end]
             n = self.seq_len if length is None else length
@@ -221,35 +140,6 @@ def _buckets(short: list[int], seq_lens: list[int]) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
-
-
-class _ShortRuns:
-    """Every short-query sequence of a step (decode, speculative verify), for the native CPU kernel
-    (`cpu_kernel`) in one call over all of them: their block-table rows, lengths and query offsets,
-    and where their tokens sit in the packed query."""
-
-    def __init__(self, seqs: list[int], q_lens: list[int], seq_lens: list[int], cu: list[int],
-                 block_tables: torch.Tensor, block_size: int, num_tokens: int):
-        used = [-(-seq_lens[i] // block_size) for i in seqs]
-        num_blocks = max(used)  # within the table's width (`_check_metadata`)
-        rows = torch.tensor(seqs, device=block_tables.device)
-        self.block_tables = block_tables[rows, :num_blocks].to(torch.int32).contiguous()  # [S, num_blocks]
-        # The kernel reads whatever a block id points at: the ids it will read, checked per call against
-        # the pool (a bad id is an IndexError here, as on the torch path, not a crash).
-        named = self.block_tables[torch.arange(num_blocks)[None, :] < torch.tensor(used)[:, None]]
-        self.block_range = (int(named.min()), int(named.max()))
-        self.seq_lens = torch.tensor([seq_lens[i] for i in seqs], dtype=torch.int32)  # [S]
-        offsets = [0]
-        for i in seqs:
-            offsets.append(offsets[-1] + q_lens[i])
-        self.cu_seqlens_q = torch.tensor(offsets, dtype=torch.int32)  # [S + 1]
-        tokens = [t for i in seqs for t in range(cu[i], cu[i] + q_lens[i])]
-        # The runs hold the whole packed query in order (a pure decode step): no gather, no scatter.
-        self.is_whole = tokens == list(range(num_tokens))
-        self.token_index = None if self.is_whole else torch.tensor(tokens)  # [T_short]
-        self.max_q_len = max(q_lens[i] for i in seqs)
-        self.kv_tokens = sum(seq_lens[i] for i in seqs)
-        self.num_splits = cpu_kernel.num_splits(len(seqs), num_blocks)
 
 
 def _check_metadata(cu: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int) -> None:
@@ -334,7 +224,8 @@ class AttentionPlan:
         self.short_runs = None
         if native and self._short and key_limits is None and block_tables.device.type == "cpu" \
                 and block_size <= cpu_kernel.MAX_BLOCK_SIZE and cpu_kernel.load() is not None:
-            self.short_runs = _ShortRuns(self._short, q_lens, lens, cu, block_tables, block_size, self.num_tokens)
+            self.short_runs = cpu_kernel.ShortRuns(self._short, q_lens, lens, cu, block_tables, block_size,
+                                                   self.num_tokens)
         self._short_groups = None
 
     @property
@@ -368,17 +259,23 @@ def paged_attention(
     sinks: torch.Tensor | None = None,  # [num_q_heads] learned per-head sink logits
     plan: AttentionPlan | None = None,
     scales: KVScales | None = None,  # a quantised cache's scales (`kv_quant`): K/V dequantised as gathered
+    chunk_size: int | None = None,
+    native: bool = True,  # let the plan's native CPU kernel take the short runs it reads
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's new queries over its cached prefix plus themselves.
 
     V may be narrower or wider than Q/K (`head_dim_v`, as in multi-head latent attention); the
-    output has V's width. K/V are read in any float dtype and cast to the query's.
+    output has V's width. K/V are read in any float dtype and cast to the query's, from contiguous
+    caches or strided views of byte pages (block stride larger than a block).
 
     Query `i` of sequence `b` sits at position `seq_lens[b] - q_len[b] + i`. It sees key positions
-    `p <= pos` and, with a sliding window `w`, only `p > pos - w` (the transformers convention).
+    `p <= pos` and, with a sliding window `w`, only `p > pos - w` (the transformers convention); with
+    a chunk `C` (Llama 4's local attention) only `p >= (pos // C) * C`; with both, both bounds.
     Softcapping (`softcap * tanh(s / softcap)`) is applied to the scaled scores before masking, and
     a sink adds one extra logit per head to the softmax denominator that attends to nothing.
-    `plan` (from `AttentionPlan` on the same metadata) skips rebuilding the per-step indices.
+    `plan` (from `AttentionPlan` on the same metadata) skips rebuilding the per-step indices; with
+    `native` and a plan made `native=True`, its short runs go to the CPU kernel where it reads the
+    tensors (`cpu_kernel.can_run`).
     """
     num_tokens, num_q_heads, head_dim = query.shape
     _check_shapes(query, key_cache, value_cache, sinks)
@@ -396,14 +293,15 @@ def paged_attention(
     out = None  # [num_tokens, Hq, Dv], in the dtype attention returns (under autocast, not the query's)
     groups = plan.groups
     runs = plan.short_runs
-    if runs is not None and scales is None and cpu_kernel.can_run(query, key_cache, value_cache):
+    if runs is not None and native and scales is None and cpu_kernel.can_run(query, key_cache, value_cache):
         if runs.block_range[0] < 0 or runs.block_range[1] >= key_cache.shape[0]:
             raise IndexError(f"paged_attention: the block tables name blocks {runs.block_range[0]}.."
                              f"{runs.block_range[1]}, outside the pool of {key_cache.shape[0]} blocks")
         o = cpu_kernel.attend(query if runs.is_whole else query[runs.token_index], key_cache, value_cache,
                               runs.block_tables, runs.seq_lens, runs.cu_seqlens_q, runs.max_q_len * num_q_heads,
                               runs.num_splits, runs.kv_tokens, scale, sliding_window, softcap, sinks,
-                              lambda name, shape: plan.scratch(name, shape, query.device))  # [T_short, Hq, Dv]
+                              lambda name, shape: plan.scratch(name, shape, query.device),
+                              chunk_size)  # [T_short, Hq, Dv]
         if runs.is_whole:  # every query is a short run's: nothing else to attend
             return o
         out = o.new_zeros(num_tokens, num_q_heads, o.shape[-1])
@@ -419,20 +317,25 @@ def paged_attention(
     workspace = None if needs_grad else plan.workspace
     k_scales, v_scales = (None, None) if scales is None else (scales.key, scales.value)
     nan_scaled = scales is not None and dynamic_scales(scales.quant)
+    # A byte page's slice (block stride > block) cannot be viewed as one run of keys: gathered instead.
+    is_flat_pool = is_flat(key_cache) and is_flat(value_cache) and (scales is None or (
+        is_flat(scales.key) and is_flat(scales.value)))
+    masked = sliding_window is not None or chunk_size is not None
     for group in groups:
+        as_view = group.first_block is not None and is_flat_pool
         buffers, dequantized = [None, None], [None, None]
-        if workspace is not None and group.first_block is None:
+        if workspace is not None and not as_view:
             buffers = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), cache.dtype, cache.device)
                        for name, cache in (("k", key_cache), ("v", value_cache))]
             if scales is not None:
                 dequantized = [workspace.get(name, (len(group.blocks), *cache.shape[1:]), query.dtype, cache.device)
                                for name, cache in (("kq", key_cache), ("vq", value_cache))]
-        is_causal_sdpa = group.is_plain_causal and sliding_window is None and softcap is None and sinks is None
+        is_causal_sdpa = group.is_plain_causal and not masked and softcap is None and sinks is None
         length = group.num_kv if is_causal_sdpa else None
         k = group.gather(key_cache, query.dtype, buffers[0], length, k_scales, dequantized[0],
-                         nan_scaled)  # [Sg, Hkv, K, D]
+                         nan_scaled, as_view)  # [Sg, Hkv, K, D]
         v = group.gather(value_cache, query.dtype, buffers[1], length, v_scales, dequantized[1],
-                         nan_scaled)  # [Sg, Hkv, K, Dv]
+                         nan_scaled, as_view)  # [Sg, Hkv, K, Dv]
         if group.token_slice is not None:
             q = query[group.token_slice][None]  # [1, q_len, Hq, D]
         elif group.is_single_query:
@@ -445,11 +348,10 @@ def paged_attention(
                                                enable_gqa=group_size > 1).transpose(1, 2)
         else:
             # A view holds exactly the sequence's keys (no padded tail): one query sees them all.
-            sees_all = sliding_window is None and (
-                group.is_uniform_decode or (group.first_block is not None and group.max_seqlen_q == 1))
+            sees_all = not masked and (group.is_uniform_decode or (as_view and group.max_seqlen_q == 1))
             mask = None
             if not sees_all or softcap is not None or sinks is not None:
-                mask = group.mask(sliding_window)[..., :k.shape[2]]  # [Sg, Qmax, K]
+                mask = group.mask(sliding_window, chunk_size)[..., :k.shape[2]]  # [Sg, Qmax, K]
             if softcap is not None or sinks is not None:
                 o = _attention_math(q.transpose(1, 2), k, v, mask, scale, softcap, sinks).transpose(1, 2)
             elif mask is None and group.max_seqlen_q == 1:  # decode over every key: sdpa's own GQA

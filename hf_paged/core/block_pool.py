@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence as SequenceABC
 from dataclasses import dataclass, field
 
-from ..config import blocks_held, kv_groups, num_freeable_blocks
+from ..kv_layout import SpecLike, as_spec, blocks_held, max_blocks_held, window_of
+from ..kv_spec import LayerSpec
 from .sequence import NULL_BLOCK, KVSequence
 
 
@@ -283,60 +284,77 @@ class BlockManager:
     """Maps sequences onto pool blocks: append, fork, truncate and free, with prefix caching, one
     block table per KV group (`config.kv_layout`) over one shared pool.
 
-    A sliding-window group gives back the blocks no query can read any more: every append first
-    releases the leading blocks before `first_readable_position(num_tokens, window, lookback)` (the
-    queries of this and every later step sit at `num_tokens - lookback` or later), so a group holds
-    `config.blocks_held` blocks at most. The pool keys a full block of group 0 by its chain hash
+    Each group's spec (`kv_spec`) says which blocks it gives back: every append first releases the
+    leading blocks before `spec.first_readable(num_tokens, lookback)` (the queries of this and every
+    later step sit at `num_tokens - lookback` or later): a sliding group the blocks that left its
+    window, a chunked group those of past chunks, a full group none. A group so holds
+    `config.blocks_held` blocks at most. A prefix-cache hit of k tokens needs, per group, the cached
+    blocks from `first_readable(k)` on only. The pool keys a full block of group 0 by its chain hash
     and a block of group g > 0 by `(g, chain hash)`: one content, one cached block per group.
 
     Args:
         pool: the shared `BlockPool`.
         block_size: tokens per block.
-        windows: per KV group, its sliding window or None (full attention); default one full group.
+        specs: per KV group, its spec (`KVLayout.group_specs`); a sliding window (int) or None (full
+            attention) is taken as its spec. Default: one full group.
         lookback: tokens a caller may roll back below a sequence's length before its next append
             (`truncate` of more is refused once the blocks are gone). 0 suits callers that roll back
             only tokens of the step they just appended; a draft model that drafts k tokens ahead
             before its rollback is known needs k.
+        windows: the older name of `specs` (per group, a window or None); give one or the other.
+
+    Attributes:
+        group_specs: per group, its spec. `windows` gives them as windows (None: full attention) for
+            callers that know no other kind, and raises ValueError for a chunked group.
     """
 
-    def __init__(self, pool: BlockPool, block_size: int, windows: SequenceABC[int | None] = (None,),
-                 lookback: int = 0):
+    def __init__(self, pool: BlockPool, block_size: int, specs: SequenceABC[SpecLike] | None = None,
+                 lookback: int = 0, *, windows: SequenceABC[int | None] | None = None):
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
-        kv_groups([w for w in windows])  # validates the windows
-        if not windows:
+        if specs is not None and windows is not None:
+            raise TypeError("BlockManager takes its groups as `specs` or as `windows`, not both")
+        specs = (None,) if specs is None and windows is None else specs if specs is not None else windows
+        group_specs = tuple(as_spec(s, g) for g, s in enumerate(specs))
+        if not group_specs:
             raise ValueError("a BlockManager needs at least one KV group")
+        for g, spec in enumerate(group_specs):
+            if not spec.owns_kv:
+                raise ValueError(f"KV group {g}: {type(spec).__name__} stores no K/V and has no group of its own")
         if isinstance(lookback, bool) or not isinstance(lookback, int) or lookback < 0:
             raise ValueError(f"lookback must be an integer >= 0, got {lookback!r}")
         self.pool = pool
         self.block_size = block_size
-        self.windows = tuple(windows)
+        self.group_specs: tuple[LayerSpec, ...] = group_specs
         self.lookback = lookback
-        self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        self._freeing = [g for g, spec in enumerate(group_specs) if spec.reach is not None]
 
     @property
     def num_groups(self) -> int:
-        return len(self.windows)
+        return len(self.group_specs)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per group, its sliding window or None (full). Raises ValueError for a chunked group: a
+        chunk is not a window (read `group_specs`)."""
+        return tuple(window_of(spec) for spec in self.group_specs)
 
     # ------------------------------------------------------------------ questions
     def first_kept_block(self, group: int, num_tokens: int) -> int:
         """The first table index of `group` a query at `num_tokens - lookback` or later can read."""
-        return num_freeable_blocks(num_tokens, self.windows[group], self.block_size, self.lookback)
+        return self.group_specs[group].first_readable(num_tokens, self.lookback) // self.block_size
 
     def max_blocks_for(self, num_tokens: int, max_chunk: int | None = None) -> int:
         """The most blocks one sequence growing to `num_tokens` tokens ever holds at once, when no
-        step appends more than `max_chunk` tokens (None: a single step may append everything)."""
-        bs, total = self.block_size, 0
-        for window in self.windows:
-            blocks = -(-num_tokens // bs)
-            if window is not None and max_chunk is not None:
-                blocks = min(blocks, -(-(window - 1 + self.lookback + max_chunk) // bs) + 1)
-            total += blocks
-        return total
+        step appends more than `max_chunk` tokens (None: a single step may append everything): per
+        group, `spec.max_tokens_held(max_chunk, lookback)` tokens plus one block at most."""
+        return sum(max_blocks_held(spec, num_tokens, self.block_size, max_chunk, self.lookback)
+                   for spec in self.group_specs)
 
     def num_blocks_held(self, seq: KVSequence, num_new_tokens: int = 0) -> int:
         """Blocks `seq` holds while a step appends `num_new_tokens` to it (after its release)."""
-        return sum(blocks_held(seq.num_tokens, w, self.block_size, self.lookback, num_new_tokens) for w in self.windows)
+        return sum(blocks_held(seq.num_tokens, spec, self.block_size, self.lookback, num_new_tokens)
+                   for spec in self.group_specs)
 
     def num_blocks_needed(self, seq: KVSequence, num_new_tokens: int, num_cached_tokens: int = 0) -> int:
         """Worst-case blocks `append_tokens` takes from the pool for `num_new_tokens` tokens (no
@@ -353,9 +371,9 @@ class BlockManager:
         return needed
 
     def num_releasable(self, seq: KVSequence, num_cached_tokens: int = 0) -> int:
-        """Blocks the next append gives back to the free count (sliding groups, sole owner)."""
+        """Blocks the next append gives back to the free count (groups that free, sole owner)."""
         freed = 0
-        for g in self._sliding:
+        for g in self._freeing:
             table, released = self._table(seq, g), seq.num_released[g]
             first = min(self.first_kept_block(g, seq.num_tokens + num_cached_tokens), len(table))
             freed += sum(1 for b in table[released:first] if self.pool.ref_count(b) == 1)
@@ -367,12 +385,13 @@ class BlockManager:
     def num_cached_prefix_tokens(self, seq: KVSequence, token_ids: SequenceABC[int]) -> int:
         """How many leading `token_ids` an empty `seq` would take from the prefix cache when the
         forward skips them (`append_cached`): whole blocks, hash chain unbroken, and in every group
-        the blocks the continuation reads (all of them for full attention, the last window's for a
-        sliding group). A question only: nothing is acquired."""
+        the blocks the continuation reads (all of them for full attention, from
+        `spec.first_readable(k)` on for a sliding or chunked group: the last window's, the current
+        chunk's). A question only: nothing is acquired."""
         pool, bs = self.pool, self.block_size
         if seq.num_tokens or not (pool.enable_prefix_caching and seq.is_cacheable):
             return 0
-        full = [g for g in range(self.num_groups) if self.windows[g] is None]
+        full = [g for g in range(self.num_groups) if g not in self._freeing]
         hashes, parent = [], None
         while (len(hashes) + 1) * bs <= len(token_ids):
             i = len(hashes)
@@ -380,25 +399,25 @@ class BlockManager:
             if any(pool.lookup(self._key(g, parent)) is None for g in full):
                 break
             hashes.append(parent)
-        if not self._sliding:
+        if not self._freeing:
             return len(hashes) * bs
         # misses[g][k]: blocks among the first k that group g lacks
         misses = {}
-        for g in self._sliding:
+        for g in self._freeing:
             counts = [0]
             for h in hashes:
                 counts.append(counts[-1] + (pool.lookup(self._key(g, h)) is None))
             misses[g] = counts
         for k in range(len(hashes), 0, -1):
-            if all(misses[g][k] == misses[g][self.first_kept_block(g, k * bs)] for g in self._sliding):
+            if all(misses[g][k] == misses[g][self.first_kept_block(g, k * bs)] for g in self._freeing):
                 return k * bs
         return 0
 
     # ------------------------------------------------------------------ mutations
     def append_tokens(self, seq: KVSequence, token_ids: SequenceABC[int], register: bool = True) -> AppendResult:
         """Give `token_ids` slots at the end of `seq`, reusing cached full blocks where the hash
-        chain matches in every group. Sliding groups first release the blocks no query of this or a
-        later step reads. Raises `NoFreeBlocksError` before changing anything if the pool is short.
+        chain matches in every group. Groups that free (sliding, chunked) first release the blocks no
+        query of this or a later step reads. Raises `NoFreeBlocksError` before changing anything if the pool is short.
 
         Args:
             register: publish the blocks this call fills in the prefix cache at once. A caller whose
@@ -448,7 +467,7 @@ class BlockManager:
 
     def append_cached(self, seq: KVSequence, token_ids: SequenceABC[int]) -> AppendResult:
         """Take `token_ids` (whole blocks, `num_cached_prefix_tokens` of them) from the prefix cache
-        for tokens the forward skips: a sliding group takes only the blocks the continuation reads
+        for tokens the forward skips: a sliding or chunked group takes only the blocks the continuation reads
         and leaves NULL_BLOCK before them. Raises `NoFreeBlocksError` untouched if the pool is short,
         ValueError if the tokens are not cached blocks."""
         bs, n = self.block_size, len(token_ids)
@@ -531,8 +550,8 @@ class BlockManager:
         """Drop the last tokens of `seq`, releasing blocks that no longer hold any of its tokens.
 
         Raises:
-            ValueError: more tokens than `seq` holds, or a rollback below what a sliding group kept
-                (its earlier blocks are gone; nothing is changed).
+            ValueError: more tokens than `seq` holds, or a rollback below what a sliding or chunked
+                group kept (its earlier blocks are gone; nothing is changed).
         """
         self.check_truncate(seq, num_tokens_to_remove)
         new_len = seq.num_tokens - num_tokens_to_remove
@@ -552,11 +571,14 @@ class BlockManager:
             )
         new_len = seq.num_tokens - num_tokens_to_remove
         self._tables(seq)
-        for g in self._sliding:
-            if seq.num_released[g] > num_freeable_blocks(new_len, self.windows[g], self.block_size):
+        for g in self._freeing:
+            spec = self.group_specs[g]
+            if seq.num_released[g] > spec.first_readable(new_len) // self.block_size:
+                what = (f"sliding-window layers (window {spec.mask.window})" if spec.mask.window
+                        else f"chunked-attention layers (chunk {spec.mask.chunk})")
                 raise ValueError(
-                    f"cannot roll sequence {seq.seq_id} back to {new_len} tokens: its sliding-window layers "
-                    f"(window {self.windows[g]}) already released the blocks before token "
+                    f"cannot roll sequence {seq.seq_id} back to {new_len} tokens: its {what} already "
+                    "released the blocks before token "
                     f"{seq.num_released[g] * self.block_size}; roll back at most {self.lookback} tokens below "
                     "the length of the last append (BlockManager lookback)"
                 )
@@ -601,13 +623,13 @@ class BlockManager:
             )
 
     def release(self, seq: KVSequence, num_tokens: int | None = None) -> None:
-        """Give back the sliding groups' blocks no query at `num_tokens - lookback` or later reads
+        """Give back the blocks no query at `num_tokens - lookback` or later reads (groups that free)
         (default: `seq.num_tokens`). Invisible to every query that can still come, so callers may
         release ahead of an append (a batch releases every row before it sizes its allocation)."""
         self._tables(seq)
         if num_tokens is None:
             num_tokens = seq.num_tokens
-        for g in self._sliding:
+        for g in self._freeing:
             table = seq.block_tables[g]
             first = min(self.first_kept_block(g, num_tokens), len(table))
             released = seq.num_released[g]

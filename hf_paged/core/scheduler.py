@@ -176,7 +176,7 @@ class Scheduler:
 
     def max_blocks_for(self, num_tokens: int) -> int:
         """The most blocks one request of `num_tokens` tokens ever holds at once (every group; a
-        sliding-window group holds its window plus one step's chunk at most)."""
+        sliding or chunked group holds its window or chunk plus one step's tokens at most)."""
         return self.manager.max_blocks_for(num_tokens, self.max_num_batched_tokens)
 
     def can_ever_fit(self, num_tokens: int) -> bool:

@@ -22,7 +22,7 @@ class KVSequence:
         token_ids: tokens whose K/V are stored, in order. Padding is never stored.
         block_tables: one table of physical block ids per KV group (`config.kv_layout`); token `i`
             of a layer in group `g` lives in `block_tables[g][i // block_size]` at offset
-            `i % block_size`. A sliding-window group's table starts with `num_released[g]` entries
+            `i % block_size`. A sliding or chunked group's table starts with `num_released[g]` entries
             `NULL_BLOCK`: blocks no query can read any more, given back to the pool.
         num_released: per group, how many leading table entries are `NULL_BLOCK`.
         block_hashes: chained content hash of each full block, in order (prefix caching); one

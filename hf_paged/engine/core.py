@@ -84,8 +84,7 @@ class EngineCore:
     """Schedules, executes, samples and updates the engine's requests, one step at a time.
 
     Args:
-        scheduler: over `kv`'s block manager.
-        executor: runs a step's forward (`executor.Executor`).
+        scheduler, executor: the scheduler over `kv`'s block manager; what runs a step (`executor.Executor`).
         kv: the KV owner of the target model's cache.
         outputs: text, events and outputs of the requests.
         proposer, num_speculative_tokens: speculative decoding (`spec_decode.make_proposer`), or None.
@@ -284,7 +283,9 @@ class EngineCore:
                 else:
                     sub = samples.rows[first_row:first_row + num_rows]
                     out = self.sampler(logits[samples.index[first_row:first_row + num_rows]], sub)
+                num_before = len(tracked.request.token_ids)
                 self._commit_sample(tracked, entry, out, now)
+                self.drafter.note_commit(tracked, start + n - 1 - len(entry.draft_token_ids), num_before, self.executor)
             except Exception as exc:
                 self._roll_back(tracked, entry, exc)
 

@@ -2,7 +2,8 @@
 
 The engine core asks `Drafter.propose` before scheduling; the scheduler then schedules each running
 request's drafts (`Request.spec_token_ids`) with its next position, and the core verifies them
-(`spec_decode.verify_greedy`). Torch-free: the proposer (`spec_decode.make_proposer`) owns any model.
+(`spec_decode.verify_greedy`). Torch-free: the proposer (`spec_decode.make_proposer`) owns any model; a
+proposer that drafts from the target's hidden states gets the ones the core notes here (opaque rows).
 """
 
 from __future__ import annotations
@@ -32,6 +33,24 @@ class Drafter:
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size
         self.metrics = metrics
+        # A proposer that drafts from the target's own states (`needs_hidden_states`) gets, per request,
+        # the target's final hidden state that produced its last committed token: (number of committed
+        # tokens it goes with, the row), noted by the core as it commits (`note_commit`).
+        self.needs_hidden_states = bool(getattr(proposer, "needs_hidden_states", False))
+        self._hidden: dict[str, tuple[int, object]] = {}
+
+    def note_commit(self, tracked: TrackedRequest, first_sampled_row: int, num_before: int, executor) -> None:
+        """After a step committed tokens to `tracked` (it held `num_before`) from its sampled rows (the
+        first at `first_sampled_row` of the step's logits rows), keep the target's hidden state of the
+        row that produced the last one, for a proposer that drafts from it (`needs_hidden_states`)."""
+        hidden_rows = getattr(executor, "last_hidden_states", None)  # [num logits rows, hidden] or None
+        request = tracked.request
+        num_committed = len(request.token_ids) - num_before
+        if not self.needs_hidden_states or tracked.finish_reason is not None or hidden_rows is None \
+                or num_committed <= 0:
+            return
+        row = hidden_rows[first_sampled_row + num_committed - 1].clone()
+        self._hidden[request.request_id] = (len(request.token_ids), row)
 
     def num_drafts_for(self, tracked: TrackedRequest, max_model_len: int) -> int:
         request, params = tracked.request, tracked.params
@@ -56,7 +75,12 @@ class Drafter:
                 continue  # its first token is drawn once per sample from one row: no drafts
             k = self.num_drafts_for(tracked, max_model_len)
             if k > 0:
-                asks.append(ProposalRequest(request.request_id, request.token_ids, k, tracked.state))
+                ask = ProposalRequest(request.request_id, request.token_ids, k, tracked.state)
+                if self.needs_hidden_states:
+                    noted = self._hidden.get(request.request_id)
+                    ask.seq = request.seq
+                    ask.hidden_state = noted[1] if noted is not None and noted[0] == len(request.token_ids) else None
+                asks.append(ask)
         if not asks:
             return
         try:
@@ -77,5 +101,6 @@ class Drafter:
 
     def free(self, request_id: str) -> None:
         """Drop a finished or preempted request's draft state."""
+        self._hidden.pop(request_id, None)
         if self.proposer is not None:
             self.proposer.free(request_id)

@@ -79,7 +79,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one forward (decodes plus prefill chunks).
         block_size, kv_cache_dtype, kv_quant_scheme, kv_quant_rotation, enable_prefix_caching, enable_hybrid_kv,
-        cache_salt: see
+        cache_salt, attention_backend: see
             `PagedCacheConfig` (`kv_cache_dtype` takes the names of `config.KV_CACHE_DTYPES`; a quantised
             cache honours a checkpoint's own `k_scale` / `v_scale`).
         num_blocks: fixed KV pool size in blocks. Default: from `max_kv_bytes`.
@@ -87,7 +87,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
             at what `max_num_seqs` full-length sequences need.
         max_model_len: longest sequence (prompt + output); default the model's max positions.
         show_progress: tqdm bar in `generate`; None = only when stderr is a terminal.
-        draft_model: a smaller causal LM sharing the tokenizer: speculative decoding with it.
+        draft_model: a smaller causal LM sharing the tokenizer, or a Gemma 4 assistant: speculative decoding.
         speculative_method: "draft_model" (implied by `draft_model`), "ngram" (prompt lookup) or None.
         num_speculative_tokens: tokens drafted per step and request (default 5 when speculating, at
             at most `config.MAX_SPECULATIVE_TOKENS`); `SamplingParams.num_speculative_tokens` overrides it per request (0 = off).
@@ -102,8 +102,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         cuda_graph_batch_sizes: the batch buckets (default 1, 2, 4, ... and `max_num_seqs`); a decode
             step of more sequences than the largest runs eagerly.
         cuda_graph_max_seqlens: the max_seqlen_k buckets (default 256, 512, ... and the longest sequence
-            the pool and `max_model_len` allow); a step whose longest sequence exceeds the largest runs
-            eagerly.
+            the pool and `max_model_len` allow); a longer step runs eagerly.
         grammar_cache_bytes, grammar_compile_timeout_seconds, grammar_mask_budget_seconds: structured
             outputs' limits (`config.DEFAULT_GRAMMAR_*`; `structured.grammar.Grammars`): compiled grammars
             kept (bytes); how long a request waits for its grammar to compile; how long a request's
@@ -126,6 +125,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
         enable_hybrid_kv: bool = EngineConfig.enable_hybrid_kv,
         cache_salt: str | None = EngineConfig.cache_salt,
+        attention_backend: str | None = EngineConfig.attention_backend,
         max_model_len: int | None = EngineConfig.max_model_len,
         show_progress: bool | None = None,
         draft_model: torch.nn.Module | None = None,
@@ -163,7 +163,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
             block_size=block_size, num_blocks=num_blocks, max_kv_bytes=max_kv_bytes, kv_cache_dtype=kv_cache_dtype,
             kv_quant_scheme=kv_quant_scheme, kv_quant_rotation=kv_quant_rotation,
             enable_prefix_caching=enable_prefix_caching, enable_hybrid_kv=enable_hybrid_kv, cache_salt=cache_salt,
-        )
+            attention_backend=attention_backend)
         # A tensor-parallel model: rank 0 runs the engine, the other ranks follow (`tensor_parallel.py`).
         self.tensor_parallel = tp = tensor_parallel_group(model)
         probe = check_tensor_parallel(tp, probe, draft_model, speculative_method)
@@ -180,12 +180,15 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         longest = min(model_len, kv.num_blocks * kv.block_size)
         graph_buckets = (batch_size_buckets(max_num_seqs, cuda_graph_batch_sizes),
                          max_seqlen_buckets(longest, cuda_graph_max_seqlens))
-        if check_cuda_graphs(cuda_graphs, model, self.device):
+        if check_cuda_graphs(cuda_graphs, model, self.device, attention_backend):
             runner.enable_cuda_graphs(*graph_buckets)
         proposer, num_speculative_tokens = make_proposer(
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
             lookup_min=prompt_lookup_min, lookup_max=prompt_lookup_max, target_num_blocks=kv.num_blocks,
-            max_num_seqs=max_num_seqs, block_size=kv.block_size, kv_cache_config=cache_config)
+            max_num_seqs=max_num_seqs, block_size=kv.block_size, kv_cache_config=cache_config,
+            target_model=model, target_kv=kv)
+        if getattr(proposer, "needs_hidden_states", False):  # a Gemma 4 assistant drafts from them
+            runner.keep_hidden_states()
         self.outputs = OutputProcessor(tokenizer)
         self.core = EngineCore(
             Scheduler(kv.manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),

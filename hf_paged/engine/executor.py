@@ -75,6 +75,12 @@ class InProcessExecutor:
     def last_times(self) -> StepTimes:
         return self._times
 
+    @property
+    def last_hidden_states(self) -> torch.Tensor | None:  # [num logit rows, hidden] or None
+        """The target's final hidden state at each logits row of the latest step, when the runner keeps
+        them (`ModelRunner.keep_hidden_states`, for a proposer that drafts from them)."""
+        return self.runner.last_hidden_states
+
     def encode_images(self, items: list) -> tuple[list, int]:
         return self.runner.encode_images(items)
 

@@ -45,7 +45,7 @@ class KeptKVAPI:
 
     def trim_kv(self, seq: KVSequence, num_tokens: int) -> bool:
         """Shorten a kept sequence to its first `num_tokens` tokens; returns whether it is still held
-        (a sliding group that released what is needed frees it instead)."""
+        (a sliding or chunked group that released what is needed frees it instead)."""
         with self._lock:
             return self.kv.trim(seq, num_tokens)
 

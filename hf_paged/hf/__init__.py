@@ -1,8 +1,9 @@
 """The transformers adapter: a `Cache` whose K/V live in blocks, and the hook that plans each step.
 
-* `kv_owner.py`: `KVOwner`, the one owner of a KV pool: blocks, layer tensors (`layer.py`'s
-  `PagedLayer`), sequences, the step transaction (begin, commit or abort), kept sequences and K/V
-  transfer (`kv_transfer.py`).
+* `kv_owner.py`: `KVOwner`, the one owner of a KV pool: the layers' specs and layout, blocks, layer
+  tensors (`layer.py`'s `PagedLayer`, and `SharedLayer` for a layer reading another's K/V; byte pages
+  for per-layer K/V shapes in `pages.py`), sequences, the step transaction (begin, commit or abort),
+  kept sequences and K/V transfer (`kept.py`, `kv_transfer.py`).
 * `cache.py`: `PagedCache`, the thin transformers `Cache` adapter over one `KVOwner` (the Cache API,
   and planning a padded batch from stock `generate`).
 * `planning.py`: `attach` / `detach`, the forward pre-hook that turns a padded batch into one
@@ -21,10 +22,10 @@ scheduling or sampling.
 
 from .cache import PagedCache
 from .kv_owner import KVOwner
-from .layer import PagedLayer
+from .layer import PagedLayer, SharedLayer
 from .planning import attach, detach
 from .support import check_attention_routed, check_model_supported, decoder_of
 from .weights import invalidate, weights_fingerprint
 
-__all__ = ["KVOwner", "PagedCache", "PagedLayer", "attach", "check_attention_routed", "check_model_supported",
-           "decoder_of", "detach", "invalidate", "weights_fingerprint"]
+__all__ = ["KVOwner", "PagedCache", "PagedLayer", "SharedLayer", "attach", "check_attention_routed",
+           "check_model_supported", "decoder_of", "detach", "invalidate", "weights_fingerprint"]

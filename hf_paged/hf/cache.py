@@ -121,6 +121,13 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------------------ transformers' Cache API
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        step = self.kv.step
+        if step is not None and step.num_columns and step.layers_done and layer_idx not in step.layers_done \
+                and layer_idx < len(self.kv.layers) \
+                and self.kv.layers[layer_idx].spec.owns_kv:
+            # Mid-forward, before this layer's own update (Llama 4's NoPE layers read it for their query
+            # temperature): the columns before this step, as DynamicCache's layer answers then.
+            return step.num_columns - step.q_len
         return self._num_columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -169,8 +176,9 @@ class PagedCache(Cache):
         first_kept = None  # read by gather_dense only when it builds the group's index (once per step)
         index = step.dense_index.get(layer.group)
         layout = self.kv.layout
-        if (index is None or index[0].device != layer.device) and layout.is_hybrid \
-                and layout.windows[layer.group] is not None:
+        if (index is None or index[0].device != layer.device) and layout.group_specs[layer.group].reach is not None:
+            # a sliding or chunked group released what no query reads; positions count from each row's
+            # first real token, as transformers' sliding and chunked masks count them
             first_kept = [seq.num_released[layer.group] * self.block_size for seq in self.seqs]
         return gather_dense(layer.keys, layer.values, step, key_states.dtype, scales=layer.scales, group=layer.group,
                             first_kept=first_kept)
@@ -316,7 +324,7 @@ class PagedCache(Cache):
         used = {b for seq in self.seqs for b in seq.live_blocks()}
         shared = {b for b in used if pool.ref_count(b) > 1}
         waste = [len(t) * bs - seq.num_tokens for seq in self.seqs for t in seq.block_tables]  # per seq and group
-        bpb = self.kv.bytes_per_block() if any(layer.is_initialized for layer in self.layers) else 0
+        bpb = self.kv.bytes_per_block() if any(layer.is_initialized for layer in self.kv.storage_layers) else 0
         return {
             "block_size": bs,
             "num_seqs": len(self.seqs),

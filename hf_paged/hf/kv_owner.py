@@ -3,7 +3,10 @@ the step that writes them, and the sequences kept between requests.
 
 What it owns:
 - the block pool and the torch-free `BlockManager` (`core`) that says which block holds a token;
-- every layer's K/V tensors (`PagedLayer`, allocated at its first write) and the attention workspace;
+- the layers' specs (`kv_spec`: full, sliding, chunked, or reading another layer's K/V) and the
+  layout they give (`config.kv_layout`: groups, slots, byte pages for per-layer K/V shapes);
+- every layer's K/V tensors (`PagedLayer`, allocated at its first write; `SharedLayer`s own none) and
+  the attention workspace;
 - the weights epoch that salts block hashes, and the sequence ids;
 - the current step, and the sequences kept for callers.
 
@@ -22,7 +25,7 @@ forward; the engine calls `abort` when it undoes a step after scheduling. A padd
 Kept sequences (`keep` ... `evict_kept`) are what a finished `retain_kv` request leaves to its
 caller: `ReturnedCache`, disaggregated prefill (`export`/`import_tokens`) and `kv_prefix` hand-overs
 use them. A kept sequence is held here until it is taken by a new request (`take`), freed (`free`,
-or `release_later` from any thread), or evicted when the pool runs dry.
+or `release_later` from any thread), or evicted when the pool runs dry (`kept.py`).
 
 `PagedCache` (`cache.py`) is the thin transformers `Cache` adapter over one owner: the model's layers
 write through it, and it holds only what transformers sees (rows of a padded batch, the column count).
@@ -33,7 +36,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -45,17 +48,20 @@ from ..attention.metadata import PAGED, StepMetadata, host_to_device
 from ..attention.torch_paged import Workspace
 from ..config import PagedCacheConfig, kv_bytes_per_token_layer, kv_layout
 from ..core import BlockManager, BlockPool, KVSequence
+from ..kv_spec import FullAttention
 from . import kv_transfer, pool_sizing
-from .layer import PagedLayer
+from .kept import KeptSequences
+from .layer import PagedLayer, SharedLayer
+from .pages import PageBuffers
 from .rope import has_length_rope
 from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
-                      layer_types_of, layer_windows_of)
+                      layer_specs_of)
 from .weights import WeightsEpoch
 
 logger = logging.getLogger(__name__)
 
 
-class KVOwner:
+class KVOwner(KeptSequences):
     """The KV pool of one model: blocks, tensors, sequences, the step transaction and kept sequences.
 
     Args:
@@ -73,10 +79,9 @@ class KVOwner:
         # hashed, so that keys rotated for one length are never served to a sequence needing another.
         self._length_rope = has_length_rope(config)
         self.cache_config = cache_config or PagedCacheConfig(**overrides)
-        windows = layer_windows_of(config)
-        self.layout = kv_layout(windows if self.cache_config.enable_hybrid_kv else [None] * len(windows))
-        self.layers = [PagedLayer(self, is_sliding=t == "sliding_attention", group=g, slot=slot)
-                       for t, g, slot in zip(layer_types_of(config), self.layout.layer_group, self.layout.layer_slot)]
+        choice = self.cache_config.attention_backend
+        if choice is not None and choice.lower() not in dispatch.choices():
+            raise ValueError(f"attention_backend must be one of {dispatch.choices()}, got {choice!r}")
         self.block_size = self.cache_config.block_size
         spec = self.cache_config.kv_dtype
         self.kv_dtype = None if spec.storage is None else getattr(torch, spec.storage)
@@ -85,10 +90,10 @@ class KVOwner:
                                          rotate=self.cache_config.kv_quant_rotation) if spec.is_quantized else None)
         self.model_config = config
         self.has_latent_kv = has_latent_kv(config)
-        # (num_kv_heads, head_dim, head_dim_v) of this rank
-        self._config_kv_shapes = kv_head_shapes(config, self.cache_config.tensor_parallel_size)
-        self.pool = BlockPool(self.cache_config.num_blocks or 0, self.cache_config.enable_prefix_caching)
-        self.manager = BlockManager(self.pool, self.block_size, self.layout.windows or (None,), lookback=lookback)
+        self._build_layers(config, lookback)
+        # (num_kv_heads, head_dim, head_dim_v) of this rank, when every layer has one (else the pages have theirs)
+        self._config_kv_shapes = (kv_head_shapes(config, self.cache_config.tensor_parallel_size)
+                                  if self.pages is None else None)
         self.weights = WeightsEpoch(on_change=self.pool.reset_prefix_cache)
         self._seq_ids = itertools.count(1)  # next() is atomic: engines create sequences from any thread
         self._workspace = Workspace()  # attention scratch (gathers, split-K partials), reused across layers and steps
@@ -97,6 +102,32 @@ class KVOwner:
         # Kept sequences by seq_id, and those `release_later` queued (from any thread, no lock).
         self._held: dict[int, KVSequence] = {}
         self._to_release: deque[KVSequence] = deque()
+
+    def _build_layers(self, config, lookback: int) -> None:
+        """The layout (`config.kv_layout` of the layers' specs), the cache layers, the pool and its manager."""
+        cfg = self.cache_config
+        # Per layer, its own kind (what its attention masks); with enable_hybrid_kv=False every layer that
+        # stores K/V keeps every token (the layout groups them as full attention), its mask unchanged.
+        self.layer_specs = layer_specs_of(config, cfg.tensor_parallel_size)
+        self.layout = layout = kv_layout(self.layer_specs, enable_hybrid_kv=cfg.enable_hybrid_kv)
+        # Per-layer K/V shapes (Gemma 4): one K and one V page buffer, each layer a view at its offset.
+        self.pages = None if layout.uniform_shape else PageBuffers(self.block_size, layout.page_k, layout.page_v)
+        if self.pages is not None and cfg.kv_dtype.is_quantized:
+            raise ValueError(
+                f"hf_paged: kv_cache_dtype={cfg.kv_cache_dtype!r} with per-layer K/V shapes (model_type="
+                f"{config.get_text_config(decoder=True).model_type!r}: its layers differ in KV heads or head size) is "
+                "not supported yet (quantisation scales are kept per storage slot); use kv_cache_dtype='auto'")
+        self.layers = [
+            PagedLayer(self, spec, layout.layer_group[i], layout.layer_slot[i],
+                       *((layout.layer_offset_k[i], layout.layer_offset_v[i]) if self.pages is not None else ()))
+            if spec.owns_kv else SharedLayer(spec, layout.layer_group[i], layout.layer_slot[i])
+            for i, spec in enumerate(self.layer_specs)]
+        # The layers that store K/V (a `SharedLayer` reads its source's and writes nothing).
+        self.storage_layers = [layer for layer in self.layers if isinstance(layer, PagedLayer)]
+        self._group_layout: dict | None = None
+        self.pool = BlockPool(cfg.num_blocks or 0, cfg.enable_prefix_caching)
+        self.manager = BlockManager(self.pool, self.block_size, layout.group_specs or (FullAttention(),),
+                                    lookback=lookback)
 
     @property
     def cache(self):
@@ -131,12 +162,24 @@ class KVOwner:
         return self.pool.num_cached_blocks
 
     def kv_numel_per_token(self) -> int:
-        """Elements of one token's K and V over every storage slot (a transfer buffer's per-token size)."""
+        """Elements of one token's K and V over every storage slot (a transfer buffer's per-token size).
+
+        Raises:
+            ValueError: the layers differ in K/V shape (byte pages: a slot is no one shape), which K/V
+                transfer does not move.
+        """
+        kv_transfer.check_transferable_layout(self)
         return sum(layer.keys[0, 0].numel() + layer.values[0, 0].numel() for layer in self.slot_owners())
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V one block takes across all layers: measured once every layer holds its
-        tensors, else from the config's K/V head shapes (`support.kv_head_shapes`)."""
+        tensors (or the page buffers exist), else from the config's K/V head shapes
+        (`support.kv_head_shapes`; with per-layer shapes, the layout's pages)."""
+        if self.pages is not None:
+            if self.pages.is_allocated:
+                return self.pages.bytes_per_block()
+            itemsize = self.cache_config.kv_dtype.itemsize or torch.empty(0, dtype=dtype or torch.float32).element_size()
+            return self.layout.bytes_per_block(self.block_size, itemsize)
         owners = self.slot_owners()
         if len(owners) == self.layout.num_slots:
             return sum(layer.bytes_per_block() for layer in owners)
@@ -154,7 +197,7 @@ class KVOwner:
 
     def slot_owner(self, slot: int) -> PagedLayer | None:
         """An initialised layer holding storage slot `slot`'s tensors, if any."""
-        for layer in self.layers:
+        for layer in self.storage_layers:
             if layer.slot == slot and layer.is_initialized:
                 return layer
         return None
@@ -163,7 +206,7 @@ class KVOwner:
         """One initialised layer per storage slot that has tensors (a slot's layers share them), in
         slot order."""
         owners: dict[int, PagedLayer] = {}
-        for layer in self.layers:
+        for layer in self.storage_layers:
             if layer.is_initialized:
                 owners.setdefault(layer.slot, layer)
         return [owners[slot] for slot in sorted(owners)]
@@ -187,7 +230,7 @@ class KVOwner:
 
     def open(self, step: StepMetadata) -> None:
         """Make `step` the one the layers write (its blocks are allocated and its copies applied)."""
-        step.plan = dispatch.plan(step, self._workspace)  # the backend, read once per step
+        step.plan = dispatch.plan(step, self._workspace, backend=self.cache_config.attention_backend)  # once per step
         self.step = step
         note_paged_step(step)
 
@@ -200,9 +243,13 @@ class KVOwner:
             key_states, value_states: [batch, num_kv_heads, q_len, head_dim] (V: head_dim_v).
         """
         step.layers_done.add(layer_idx)
-        if len(step.layers_done) == len(self.layers):
+        if len(step.layers_done) == len(self.storage_layers):
             note_paged_step(None)  # masks built after this forward are for someone else
         layer = self.layers[layer_idx]
+        if isinstance(layer, SharedLayer):
+            raise UnsupportedModelError(
+                f"hf_paged: the model wrote K/V to cache layer {layer_idx}, which its config says reads layer "
+                f"{layer.source}'s (num_kv_shared_layers) and stores none; load it with attn_implementation='sdpa'")
         if not layer.belongs_to(self):
             raise UnsupportedModelError(
                 f"hf_paged: the model wrote K/V to cache layer {layer_idx}, a copy it made of one of the paged "
@@ -219,7 +266,7 @@ class KVOwner:
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
                           step.has_skipped_slots, scales=layer.scales, plan=step.plan)
         if step.mode == PAGED:
-            note_paged_write(layer.keys, layer.values, step)  # the attention checks what reaches it (see there)
+            note_paged_write(layer.keys, layer.values, step, layer_idx)  # the attention checks what reaches it
             if layer.scales is not None:
                 step.kv_scales[layer_idx] = layer.scales  # the attention finds a layer's scales by its index
         return layer
@@ -242,7 +289,7 @@ class KVOwner:
         self.pool.discard_staged()
 
     def step_is_unfinished(self) -> bool:
-        return self.step is not None and len(self.step.layers_done) < len(self.layers)
+        return self.step is not None and len(self.step.layers_done) < len(self.storage_layers)
 
     def append(self, seqs: list[KVSequence],
                new_tokens: list[list[int]]) -> tuple[list[list[list[int]]], list[tuple[int, int]]]:
@@ -267,11 +314,25 @@ class KVOwner:
 
     def group_layout(self) -> dict:
         """What every step's metadata says about the KV groups, whatever the sequences: each layer's
-        group (`layer_group`, None for one group) and each group's kept window (`group_windows`)."""
-        return dict(layer_group=self.layout.layer_group or None, group_windows=self.manager.windows)
+        group (`layer_group`, None for one group), what each group keeps (`group_masks`), each layer's
+        own mask (`layer_masks`) and, where layers read others' K/V, whose (`layer_source`)."""
+        if self._group_layout is None:  # the same for every step: built once
+            layout, specs = self.layout, self.layer_specs
+            shared = any(not spec.owns_kv for spec in specs)
+            self._group_layout = dict(
+                layer_group=layout.layer_group or None, group_masks=tuple(s.mask for s in layout.group_specs),
+                layer_masks=tuple(s.mask for s in specs),
+                layer_source=tuple(getattr(s, "source", i) for i, s in enumerate(specs)) if shared else None)
+        return dict(self._group_layout)
 
     def _apply_copies(self, copies: list[tuple[int, int]]) -> None:
         if not copies:
+            return
+        if self.pages is not None:  # every layer's bytes of a block are one row of the page buffers
+            if self.pages.is_allocated:
+                device = self.pages.keys.device
+                self.pages.copy_blocks(host_to_device([s for s, _ in copies], torch.long, device),
+                                       host_to_device([d for _, d in copies], torch.long, device))
             return
         indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # one asynchronous copy per device
         for layer in self.slot_owners():  # a block's bytes in every slot, whichever group holds it
@@ -343,10 +404,12 @@ class KVOwner:
         if num_blocks <= self.pool.num_blocks:
             return
         self.pool.grow(num_blocks - self.pool.num_blocks)
+        if self.pages is not None:
+            self.pages.resize(self.pool.num_blocks)
         owners = {layer.slot: layer for layer in self.slot_owners()}
         for layer in owners.values():
             layer.resize(self.pool.num_blocks)
-        for layer in self.layers:  # the other layers of each slot share its owner's new tensors
+        for layer in self.storage_layers:  # the other layers of each slot share its owner's new tensors
             if layer is not owners.get(layer.slot):
                 layer.resize(self.pool.num_blocks, like=owners.get(layer.slot))
 
@@ -363,7 +426,8 @@ class KVOwner:
             k_scale, v_scale = getattr(module, "k_scale", None), getattr(module, "v_scale", None)
             if not (isinstance(idx, int) and torch.is_tensor(k_scale) and torch.is_tensor(v_scale)):
                 continue
-            if not 0 <= idx < len(self.layers) or self.layers[idx].is_initialized:
+            if not 0 <= idx < len(self.layers) or not isinstance(self.layers[idx], PagedLayer) \
+                    or self.layers[idx].is_initialized:
                 continue
             if k_scale.numel() != 1 or v_scale.numel() != 1:
                 logger.warning("hf_paged: layer %d's checkpoint k_scale/v_scale are not per-tensor (shapes %s, %s); "
@@ -375,144 +439,3 @@ class KVOwner:
             self.layers[idx].quant = KVQuant.of(spec, self.cache_config.kv_quant_scheme, k, v)
             found += 1
         return found
-
-    # ------------------------------------------------------------------ kept sequences
-    def keep(self, seq: KVSequence, num_tokens: int) -> bool:
-        """Hold `seq` for a caller, shortened to its first `num_tokens` tokens; returns whether it is
-        held (a sliding group that released what that needs frees it instead)."""
-        extra = seq.num_tokens - num_tokens
-        if extra > 0:
-            try:
-                self.manager.truncate(seq, extra)
-            except ValueError:
-                self.manager.free(seq)
-                return False
-        self._held[seq.seq_id] = seq
-        return True
-
-    def holds(self, seq: KVSequence) -> bool:
-        """Whether `seq` is kept here (not evicted, freed or taken)."""
-        return self._held.get(seq.seq_id) is seq
-
-    @property
-    def num_kept(self) -> int:
-        return len(self._held)
-
-    def take(self, seq: KVSequence) -> bool:
-        """Hand a kept sequence over to a request (no longer kept here); False if it is gone."""
-        if not self.holds(seq):
-            return False
-        del self._held[seq.seq_id]
-        return True
-
-    def free(self, seqs: Iterable[KVSequence | None]) -> None:
-        """Free kept sequences (those no longer held are skipped)."""
-        for seq in seqs:
-            if seq is not None and self.holds(seq):
-                del self._held[seq.seq_id]
-                self.manager.free(seq)
-
-    def release_later(self, seqs: Iterable[KVSequence]) -> None:
-        """`free` from any thread and any moment (a finaliser): done at the next `apply_releases`."""
-        self._to_release.extend(seqs)
-
-    def apply_releases(self) -> None:
-        while self._to_release:
-            self.free([self._to_release.popleft()])
-
-    def trim(self, seq: KVSequence, num_tokens: int) -> bool:
-        """Shorten a kept sequence to its first `num_tokens` tokens; returns whether it is still held."""
-        if not self.holds(seq):
-            return False
-        if seq.num_tokens > num_tokens:
-            try:
-                self.manager.truncate(seq, seq.num_tokens - num_tokens)
-            except ValueError:
-                del self._held[seq.seq_id]
-                self.manager.free(seq)
-                return False
-        return True
-
-    def fork(self, seq: KVSequence) -> KVSequence | None:
-        """A second kept sequence sharing `seq`'s blocks (copy-on-write), or None if `seq` is not held."""
-        if not self.holds(seq):
-            return None
-        fork = self.fork_sequence(seq)
-        self._held[fork.seq_id] = fork
-        return fork
-
-    def export(self, seq: KVSequence) -> torch.Tensor:  # [seq.num_tokens * kv_numel_per_token()]
-        """The K/V of every token of a kept sequence as one contiguous flat buffer in the pool's dtype:
-        per storage slot in slot order, its K ([num_tokens, num_kv_heads, head_dim]) then its V. A
-        copy: the blocks may be freed as soon as this returns."""
-        if not self.holds(seq):
-            raise ValueError("export_kv takes a sequence this engine keeps (kept_kv)")
-        return kv_transfer.export_tokens(self, seq)
-
-    def import_tokens(self, token_ids: list[int], kv: torch.Tensor) -> KVSequence:
-        """Keep a new sequence holding `token_ids` whose K/V are `kv` (an `export` buffer of another
-        engine serving the same model). Blocks already held for a prefix of the tokens (prefix cache)
-        are shared instead of written; the full blocks written are published in the prefix cache only
-        after their K/V are in place.
-
-        Raises:
-            ValueError: `kv` does not hold exactly `len(token_ids)` tokens of this pool's layout, or
-                the K/V cannot move (`check_transferable`).
-            NoFreeBlocksError: a fixed pool has no room (nothing is changed).
-        """
-        seq = kv_transfer.import_tokens(self, token_ids, kv)
-        self._held[seq.seq_id] = seq
-        return seq
-
-    # A tensor-parallel engine moves K/V in parts: rank 0 keeps the books, every rank moves its own heads.
-    def token_slots(self, seq: KVSequence) -> list[int]:
-        """The pool slot of every token of a kept sequence (rank 0 tells the other ranks where to gather)."""
-        if not self.holds(seq):
-            raise ValueError("kv_token_slots takes a sequence this engine keeps (kept_kv)")
-        return kv_transfer.token_slots(self, seq)
-
-    def gather(self, slots: list[int], heads: kv_transfer.Heads = None) -> torch.Tensor:
-        """A transfer buffer of the K/V at `slots`, for this pool's KV heads `heads` ([first, end), or all)."""
-        return kv_transfer.gather(self, slots, heads)
-
-    def reserve_import(self, token_ids: list[int]) -> kv_transfer.Reserved:
-        """Blocks for `token_ids`, not yet written nor published (`write_transfer`, then `commit_import`, or
-        `cancel_import`)."""
-        return kv_transfer.reserve(self, token_ids)
-
-    def write_transfer(self, slots: list[int], buffer: torch.Tensor, heads: kv_transfer.Heads = None) -> None:
-        """Store a transfer buffer (for heads `heads`) at `slots` (-1: already cached, skipped)."""
-        kv_transfer.write(self, slots, buffer, heads)
-
-    def commit_import(self, reserved: kv_transfer.Reserved) -> KVSequence:
-        """Publish a reserved import in the prefix cache and keep its sequence (every rank wrote)."""
-        seq = kv_transfer.commit(self, reserved)
-        self._held[seq.seq_id] = seq
-        return seq
-
-    def cancel_import(self, reserved: kv_transfer.Reserved) -> None:
-        self.manager.free(reserved.seq)
-
-    def evict_kept(self) -> bool:
-        """Free every kept sequence (their owners recompute on use); returns whether any was held."""
-        held, self._held = list(self._held.values()), {}
-        for seq in held:
-            self.manager.free(seq)
-        if held:
-            logger.info("hf_paged: evicted %d kept sequences (returned caches) to make room", len(held))
-        return bool(held)
-
-    # ------------------------------------------------------------------ K/V transfer facts
-    def check_transferable(self) -> None:
-        """Raise ValueError unless this pool's K/V can be exported and imported token by token (one
-        KV group, no quantisation scales, every layer's tensors allocated): what disaggregated
-        serving moves between engines."""
-        kv_transfer.check_transferable(self)
-
-    def transfer_info(self) -> dict:
-        """What a disaggregated peer must agree on before K/V move between two engines, and the pool's
-        `free_blocks`: those a new request could take (`num_free_blocks`, cached ones among them, once)."""
-        return {"num_blocks": self.num_blocks, "free_blocks": self.num_free_blocks,
-                "block_size": self.block_size, "kv_numel_per_token": self.kv_numel_per_token(),
-                "kv_dtype": self.stored_dtype,
-                "kv_heads": self.slot_owners()[0].keys.shape[2] if self.slot_owners() else None}

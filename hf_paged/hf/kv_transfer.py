@@ -29,12 +29,21 @@ class Reserved:
     new_full_blocks: list
 
 
+def check_transferable_layout(kv) -> None:  # kv: a KVOwner
+    """Raise ValueError when `kv`'s layers differ in K/V shape: its storage slots are byte pages, not
+    one shape per slot, so no per-token transfer buffer describes them."""
+    if not kv.layout.uniform_shape:
+        raise ValueError("moving K/V between engines is not supported yet for a model whose layers differ in K/V "
+                         "shape (KV heads or head size, as Gemma 4's full and sliding layers do)")
+
+
 def check_transferable(kv) -> None:  # kv: a KVOwner
     """Raise ValueError unless `kv`'s K/V can be exported and imported token by token (one KV group,
-    no quantisation scales, every layer's tensors allocated)."""
+    one K/V shape for every layer, no quantisation scales, every layer's tensors allocated)."""
+    check_transferable_layout(kv)
     if len(kv.layout.groups) != 1:
         raise ValueError("moving K/V between engines needs one KV group: build the engines with "
-                         "enable_hybrid_kv=False for this sliding-window model")
+                         "enable_hybrid_kv=False for this sliding-window or chunked-attention model")
     if kv.cache_config.kv_dtype.is_quantized:
         raise ValueError(f"moving K/V between engines does not carry quantisation scales "
                          f"(kv_cache_dtype={kv.cache_config.kv_cache_dtype!r}); use an unquantised cache")

@@ -1,10 +1,12 @@
-"""`PagedLayer`: one layer's K/V blocks, a transformers `CacheLayerMixin`.
+"""The cache layers of a paged pool, transformers `CacheLayerMixin`s: `PagedLayer` (a layer's K/V
+blocks) and `SharedLayer` (a layer that reads another layer's K/V and stores none).
 
-Its tensors (and a quantised layer's scales) are allocated on the layer's first write, with the
-device, dtype and head shape of the states it receives; layers of different KV groups that share a
-storage slot share its tensors (`config.kv_layout`). The layer belongs to a `KVOwner`, which sizes,
-grows and copies its blocks; its Cache-API answers (lengths, reset) are those of the owner's
-`PagedCache` adapter.
+A `PagedLayer`'s tensors (and a quantised layer's scales) are allocated on the layer's first write,
+with the device, dtype and head shape of the states it receives; layers of different KV groups that
+share a storage slot share its tensors (`config.kv_layout`). When the layers differ in K/V shape its
+tensors are views of the pool's page buffers instead (`pages.py`). The layer belongs to a `KVOwner`,
+which sizes, grows and copies its blocks; its Cache-API answers (lengths, reset) are those of the
+owner's `PagedCache` adapter.
 """
 
 from __future__ import annotations
@@ -12,22 +14,67 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+try:
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # transformers < 5.23: no layer class for layers that store nothing; ours says the same
+
+    class DummyLayer:
+        """A cache layer that stores nothing (a layer reading another's K/V): what transformers' own
+        `DummyLayer` is from 5.23 on."""
+
+        is_compileable = True
+        is_croppable = True
+
+        def __init__(self, **kwargs):
+            self.is_initialized = True
+            self.keys = self.values = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if key_states is None and value_states is None:
+                return None, None
+            raise NotImplementedError("this cache layer reads another layer's K/V; it stores none")
+
+        def offload(self): ...
+        def prefetch(self): ...
+        def reset(self): ...
+        def crop(self, tokens_to_remove: int): ...
+        def reorder_cache(self, beam_idx): ...
+        def batch_repeat_interleave(self, repeats: int): ...
+        def batch_select_indices(self, indices): ...
+
+        def get_max_length(self) -> int:
+            return -1
+
 from ..attention.kv_quant import KVQuant, KVScales
+from ..kv_spec import FullAttention, LayerSpec, SharedKV
 
 
 class PagedLayer(CacheLayerMixin):
     """One layer's K/V blocks. Allocated on the layer's first `update`, on the device and with the
-    head shape of the states it receives; resized only when the shared pool grows."""
+    head shape of the states it receives; resized only when the shared pool grows.
+
+    Args:
+        kv: the owning `KVOwner`.
+        spec: the layer's `kv_spec.LayerSpec` (its own kind, whatever its blocks are kept for).
+        group: its KV group: which block table of each sequence it reads.
+        slot: its storage slot: layers of other groups in the same slot share its tensors.
+        offset_k, offset_v: with per-layer K/V shapes, its element offsets per token in the page.
+    """
 
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, kv, is_sliding: bool = False, group: int = 0, slot: int = 0):
+    def __init__(self, kv, spec: LayerSpec | None = None, group: int = 0, slot: int = 0, offset_k: int = 0,
+                 offset_v: int = 0):
         super().__init__()
         self._kv = kv
-        self.is_sliding = is_sliding
-        self.group = group  # its KV group: which block table of each sequence it reads
-        self.slot = slot  # its storage slot: layers of other groups in the same slot share its tensors
+        self.spec = spec if spec is not None else FullAttention()
+        # Sliding and chunked alike: transformers sizes both masks from the first layer that says so, and
+        # its DynamicCache keeps a chunked layer as a sliding one of the chunk.
+        self.is_sliding = self.spec.reach is not None
+        self.group = group
+        self.slot = slot
+        self.offset_k, self.offset_v = offset_k, offset_v
         # A quantised layer's scales and scheme (`kv_quant.KVScales`), set with its tensors; None unquantised.
         self.scales: KVScales | None = None
         self.quant: KVQuant | None = None  # set before initialisation (a checkpoint's static scales)
@@ -42,6 +89,9 @@ class PagedLayer(CacheLayerMixin):
         dtype = kv.kv_dtype or key_states.dtype
         self.device = key_states.device
         num_kv_heads = key_states.shape[1]
+        if kv.pages is not None:  # per-layer K/V shapes: a view of the page buffers
+            self._view_pages(key_states, value_states, dtype)
+            return
         owner = kv.slot_owner(self.slot)
         if owner is not None:  # another group's layer already holds this slot's tensors: share them
             shape = (num_blocks, block_size, num_kv_heads, key_states.shape[3])
@@ -69,6 +119,23 @@ class PagedLayer(CacheLayerMixin):
                                    quant)
         self.is_initialized = True
 
+    def _view_pages(self, key_states: torch.Tensor, value_states: torch.Tensor, dtype: torch.dtype) -> None:
+        pages, shape = self._kv.pages, self.spec.shape
+        got = (key_states.shape[1], key_states.shape[3], value_states.shape[3])
+        if got != (shape.num_kv_heads, shape.head_dim, shape.head_dim_v):
+            raise ValueError(
+                f"hf_paged: a layer wrote K/V of {got[0]} heads x {got[1]} (V {got[2]}), but the config gives it "
+                f"{shape.num_kv_heads} x {shape.head_dim} (V {shape.head_dim_v}); its blocks are sized from the config "
+                "when the layers differ in K/V shape")
+        if not pages.is_allocated:
+            pages.allocate(self._kv.pool.num_blocks, dtype, self.device)
+        elif pages.keys.dtype != dtype or pages.keys.device != self.device:
+            raise ValueError(
+                f"hf_paged: layers whose K/V shapes differ share one page buffer ({pages.keys.dtype} on "
+                f"{pages.keys.device}), but this layer writes {dtype} on {self.device}; load the model on one device")
+        self.keys, self.values = pages.views(shape, self.offset_k, self.offset_v)
+        self.is_initialized = True
+
     def _tensors(self) -> list[tuple[object, str]]:
         """(owner, attribute) of every tensor with a block dimension: K, V and a quantised layer's scales."""
         pairs = [(self, "keys"), (self, "values")]
@@ -86,8 +153,12 @@ class PagedLayer(CacheLayerMixin):
 
     def resize(self, num_blocks: int, like: "PagedLayer | None" = None) -> None:
         """Grow the block dimension to `num_blocks`, keeping existing blocks and their scales (pool
-        growth only); with `like`, a layer of the same slot already resized, share its new tensors."""
+        growth only); with `like`, a layer of the same slot already resized, share its new tensors.
+        A view of page buffers (already grown by the owner) takes its view again."""
         if not self.is_initialized or self.keys.shape[0] == num_blocks:
+            return
+        if self._kv.pages is not None:
+            self.keys, self.values = self._kv.pages.views(self.spec.shape, self.offset_k, self.offset_v)
             return
         if like is not None:
             self.keys, self.values = like.keys, like.values
@@ -101,8 +172,9 @@ class PagedLayer(CacheLayerMixin):
             setattr(owner, name, new)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy whole blocks `src[i]` -> `dst[i]` (copy-on-write), payload and scales alike."""
-        if self.is_initialized:
+        """Copy whole blocks `src[i]` -> `dst[i]` (copy-on-write), payload and scales alike (a view of
+        page buffers: the owner copies the pages whole)."""
+        if self.is_initialized and self._kv.pages is None:
             # Tensors first written inside an engine forward are inference tensors: copy-on-write
             # before the next forward must write them in the same mode.
             with torch.inference_mode(self.keys.is_inference()):
@@ -131,3 +203,22 @@ class PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self._kv.cache.reset()
+
+
+class SharedLayer(DummyLayer):
+    """A layer that attends over another layer's K/V (`kv_spec.SharedKV`: Gemma 3n's and Gemma 4's
+    "reuse" layers). It never writes (the model hands it its source's states, `shared_kv_states`),
+    owns no blocks and no tensors, and is a transformers `DummyLayer` (`Cache.is_dummy`), as in stock's
+    `DynamicCache`; the attention reads its source's blocks with its own mask.
+
+    Attributes:
+        spec: its `SharedKV` spec (`source`: the layer whose K/V it reads).
+        group, slot: its source's (which block table its attention reads).
+    """
+
+    def __init__(self, spec: SharedKV, group: int = 0, slot: int = 0):
+        super().__init__()
+        self.spec = spec
+        self.source = spec.source
+        self.is_sliding = spec.reach is not None
+        self.group, self.slot = group, slot

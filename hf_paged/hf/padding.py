@@ -50,8 +50,10 @@ def real_columns(attention_mask: torch.Tensor | None, num_cached_columns: int, h
     expected = (batch_size, num_cached_columns + q_len)
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != expected:
         raise ValueError(
-            f"attention_mask must be 2D with shape {expected} (batch, cached + new columns), got "
-            f"{tuple(attention_mask.shape)}"
+            f"hf_paged: attention_mask must be 2D with shape {expected} (batch, cached + new columns), got "
+            f"{tuple(attention_mask.shape)}: the step's tokens and its mask disagree (a model whose "
+            "prepare_inputs_for_generation trims the tokens but not the mask, as MusicGen's does, cannot use a paged "
+            "cache: load it with attn_implementation='sdpa' or 'eager')"
         )
     bad, num_real = _padding_violations(attention_mask, had_tokens, q_len)
     if bool(bad.any()):

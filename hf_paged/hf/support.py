@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from ..config import SUPPORTED_LAYER_TYPES
+from ..kv_spec import LAYER_KINDS, kv_sources
 from .rope import check_rope_supported
 
 
@@ -33,30 +33,42 @@ def check_model_supported(config) -> None:
 
 def check_decoder_supported(config, include_decoder_flag: bool = True) -> None:
     """Raise ValueError naming what a decoder's config needs that a paged cache cannot give: layers
-    other than plain attention (Mamba, linear attention, Llama 4's chunked attention), cross-attention
-    layers, cross-layer KV sharing, a rope type not classified, no attention heads. The config alone
-    decides, so the load check (`integrations.load_check`) asks it too: such a model is refused when
-    it loads, with the engine's own message. `include_decoder_flag`: as `cross_attention_refusal`'s."""
+    of a kind no `kv_spec` spec describes (Mamba, linear attention, convolutions: per-sequence state),
+    cross-attention layers, layers that all reuse K/V no layer of the model stores (Gemma 4's
+    assistants, which read their target's), a rope type not classified, no attention heads. Full,
+    sliding and chunked attention (`kv_spec.LAYER_KINDS`) and Gemma 3n/4's cross-layer K/V sharing are
+    served. The config alone decides, so the load check (`integrations.load_check`) asks it too, first:
+    such a model is refused when it loads, with the engine's own message. `include_decoder_flag`: as
+    `cross_attention_refusal`'s."""
     text = config.get_text_config(decoder=True)
-    unsupported = sorted({t for t in layer_types_of(config) if t not in SUPPORTED_LAYER_TYPES})
+    types = layer_types_of(config)
+    unsupported = sorted({t for t in types if t not in LAYER_KINDS})
     if unsupported:
         raise ValueError(
             f"hf_paged does not support model_type={text.model_type!r}: its layer types {unsupported} are "
-            f"not plain attention (supported: {SUPPORTED_LAYER_TYPES}); {_INSTEAD}"
+            f"not plain attention (supported: {LAYER_KINDS}); {_INSTEAD}"
         )
     reason = cross_attention_refusal(config, include_decoder_flag)
     if reason is not None:
         raise ValueError(reason)
-    if getattr(text, "kv_sharing_modes", None) or getattr(text, "num_kv_shared_layers", 0):
-        raise ValueError(f"hf_paged does not support cross-layer KV sharing (model_type={text.model_type!r}): "
-                         f"a layer that reads another layer's K/V has no blocks of its own; {_INSTEAD}")
+    try:  # every reuse layer needs an earlier layer of its type that stores the K/V it reads
+        kv_sources({"num_kv_shared_layers": getattr(text, "num_kv_shared_layers", 0)}, types)
+    except ValueError as exc:
+        raise ValueError(f"hf_paged cannot serve model_type={text.model_type!r}: {exc}; {_INSTEAD}") from None
     check_rope_supported(config)
-    if getattr(text, "num_key_value_heads", None) is None and getattr(text, "num_attention_heads", None) is None:
+    if not any(_declares(text, name) for name in ("num_key_value_heads", "num_attention_heads")):
         raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}; "
                          f"{_INSTEAD}")
 
 
 _INSTEAD = "load the model with attn_implementation='sdpa' or 'eager' instead"
+
+
+def _declares(config, name: str) -> bool:
+    try:
+        return getattr(config, name, None) is not None
+    except Exception:  # noqa: BLE001 - a per-layer value (Gemma 4's KV heads) refuses a global read: it is set
+        return True
 
 
 def cross_attention_refusal(config, include_decoder_flag: bool = True) -> str | None:
@@ -82,11 +94,17 @@ def cross_attention_refusal(config, include_decoder_flag: bool = True) -> str | 
 
 def routes_attention(model_class) -> bool:
     """Whether a transformers model class routes its attention through transformers' attention
-    interface, passing each layer's keyword arguments on to it: what its authors declare with
-    `_supports_attention_backend` (`PreTrainedModel.is_backend_compatible()`, which vLLM's
-    transformers backend also asks). Without it the model computes attention in its own modules, so
-    a registered attention function (ours) is never called, or called without the step's metadata."""
-    return bool(getattr(model_class, "_supports_attention_backend", False))
+    interface, passing each layer's keyword arguments on to it (the step's metadata travels in them):
+    what its authors declare with `_supports_attention_backend` (`PreTrainedModel.is_backend_compatible()`,
+    the contract of vLLM's transformers backend, which also needs things hf_paged does not), or else
+    what its modelling module's source shows (`_module_routing`: Qwen 3.5, Qwen3-Next, Jamba, Bamba,
+    Falcon-H1, Nemotron-H do route without declaring it). Otherwise the model computes attention in its
+    own modules, so a registered attention function (ours) is never called, or called without the
+    step's metadata."""
+    if getattr(model_class, "_supports_attention_backend", False):
+        return True
+    routing = _module_routing(inspect.getmodule(model_class))
+    return routing is not None and routing[0]
 
 
 def attention_refusal(model_class, config) -> str | None:
@@ -96,12 +114,106 @@ def attention_refusal(model_class, config) -> str | None:
         return None
     model_type = getattr(config, "model_type", "?")
     instead = "'sdpa' or 'eager'" if getattr(model_class, "_supports_sdpa", False) else "'eager'"
+    routing = _module_routing(inspect.getmodule(model_class))
+    why = routing[1] if routing is not None else (
+        "the class does not declare `_supports_attention_backend`, and its module has no attention that does")
     return (
         f"attn_implementation='hf_paged' cannot serve {model_class.__name__} (model_type={model_type!r}): it does "
-        "not route attention through transformers' attention interface (the class does not declare "
-        "`_supports_attention_backend`), so its layers would compute attention themselves, never read the paged "
-        f"cache and apply a mask in the wrong form. Load it with attn_implementation={instead}"
+        f"not route attention through transformers' attention interface ({why}), so its layers would compute "
+        "attention themselves, never read the paged cache and apply a mask in the wrong form, or get the paged "
+        f"blocks without the step's metadata. Load it with attn_implementation={instead}"
     )
+
+
+# The table transformers' attention modules look their attention function up in.
+_INTERFACE = "ALL_ATTENTION_FUNCTIONS"
+
+
+@functools.lru_cache(maxsize=None)
+def _function_tree(function) -> ast.FunctionDef | None:
+    """The parsed definition of `function` (decorators unwrapped), or None when its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+
+
+def _passes_on(call: ast.Call, function: ast.FunctionDef) -> bool:
+    """Whether `call` hands on the `**kwargs` of `function`, the one it is made in."""
+    kwarg = function.args.kwarg
+    return kwarg is not None and any(k.arg is None and isinstance(k.value, ast.Name) and k.value.id == kwarg.arg
+                                     for k in call.keywords)
+
+
+def _mentions(node: ast.AST, name: str) -> bool:
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def _stores_kv(forward: ast.FunctionDef) -> bool:
+    """Whether a forward stores K/V in a cache and takes back what it holds: `k, v = <cache>.update(k, v, ...)`."""
+    return any(isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and isinstance(n.value.func, ast.Attribute)
+               and n.value.func.attr == "update" and len(n.value.args) >= 2
+               and any(isinstance(t, ast.Tuple) and len(t.elts) >= 2 for t in n.targets) for n in ast.walk(forward))
+
+
+def _interface_problem(forward: ast.FunctionDef) -> str | None:
+    """Why an attention forward does not hand its work to transformers' attention interface with its
+    keyword arguments, or None when it does: it calls what `ALL_ATTENTION_FUNCTIONS` gives for
+    `config._attn_implementation` (directly, or through a name bound to it), passing its `**kwargs` on."""
+    bound = {t.id for n in ast.walk(forward) if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None
+             and _mentions(n.value, _INTERFACE)
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+    calls = [n for n in ast.walk(forward) if isinstance(n, ast.Call)
+             and ((isinstance(n.func, ast.Name) and n.func.id in bound) or _mentions(n.func, _INTERFACE))]
+    if not calls:
+        return "computes attention itself, never calling the interface"
+    if not any(_passes_on(call, forward) for call in calls):
+        return "calls the interface without passing its keyword arguments on"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _module_routing(module) -> tuple[bool, str] | None:
+    """Whether the modelling `module` routes every attention that reads a cache through transformers'
+    attention interface, read off its source: (True, "") or (False, why); None when no class of it
+    reads a cache (its decoder lives in another module, or it has no attention) or its source cannot be read.
+
+    An attention class (its `forward` does `k, v = cache.update(k, v, ...)`) must call the interface
+    function with its own `**kwargs`, and every class of the module that holds one as an attribute
+    (its decoder layer) must call that attribute with its own `**kwargs`: the step's metadata reaches
+    the "hf_paged" function that way. Cross-attention attributes are left out (such decoders are refused
+    for their config), and so are attention layers built through a table (Nemotron-H's
+    `MIXER_TYPES[kind](...)`): a paged forward still refuses blocks that arrive without the metadata."""
+    name = getattr(module, "__name__", None)
+    classes = {n: c for n, c in inspect.getmembers(module, inspect.isclass)
+               if c.__module__ == name and issubclass(c, torch.nn.Module)}
+    attention = set()
+    for cls_name, cls in classes.items():
+        forward = _function_tree(cls.forward)
+        if forward is not None and _stores_kv(forward):
+            problem = _interface_problem(forward)
+            if problem is not None:
+                return False, f"its {cls_name} reads the cache but {problem}"
+            attention.add(cls_name)
+    if not attention:
+        return None
+    for cls_name, cls in classes.items():
+        init, forward = _function_tree(cls.__init__), _function_tree(cls.forward)
+        if init is None or forward is None:
+            continue
+        held = {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign)
+                and any(isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in attention
+                        for c in ast.walk(n.value))
+                for t in n.targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                and t.value.id == "self" and "cross" not in t.attr}
+        for call in ast.walk(forward):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in held \
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" \
+                    and not _passes_on(call, forward):
+                return False, f"its {cls_name} does not pass its keyword arguments on to its {call.func.attr}"
+    return True, ""
 
 
 # Reading these off the K/V a cache returned is reading its layout, not its values.
@@ -111,7 +223,8 @@ _LAYOUT_ATTRS = frozenset({"shape", "dtype", "device", "ndim"})
 @functools.lru_cache(maxsize=None)
 def _cached_kv_uses(attention_class) -> tuple[int, str] | None:
     """(line within its `forward`, name) of the first place an attention class uses the K/V its cache's
-    `update` returned other than by handing them to an attention function (or reading their shape);
+    `update` returned other than by handing them to an attention function, reading their shape, or
+    storing them whole for a later attention call (`_kept_for_attention`: Gemma 3n/4's store layers);
     None when it does not, or its source cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(attention_class.forward)))
@@ -134,13 +247,43 @@ def _cached_kv_uses(attention_class) -> tuple[int, str] | None:
             continue
         if isinstance(parent, ast.keyword):
             parent = parents.get(parent)
-        if isinstance(parent, ast.Call) and node is not parent.func:
-            func = parent.func
-            name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
-            if "attention" in name.lower() or "attn" in name.lower():
-                continue  # handed to the attention function
+        if isinstance(parent, ast.Call) and node is not parent.func and _calls_attention(parent):
+            continue  # handed to the attention function
+        if _kept_for_attention(node, parents, tree):
+            continue
         uses.append((node.lineno, node.id))
     return min(uses) if uses else None
+
+
+def _calls_attention(call: ast.Call) -> bool:
+    func = call.func
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    return "attention" in name.lower() or "attn" in name.lower()
+
+
+def _kept_for_attention(name: ast.Name, parents: dict, tree: ast.AST) -> bool:
+    """Whether the K/V `name` is only stored whole into a container (`shared[key] = k, v`, or an
+    attribute) that the forward reads back into names it hands to an attention function: Gemma 3n/4's
+    store layers keep what `cache.update` returned for the layers that reuse it, which then attend over
+    it like any other K/V. No arithmetic, no reshape, no slicing on the way."""
+    holder = parents.get(name)
+    if isinstance(holder, ast.Tuple):
+        holder = parents.get(holder)
+    if not (isinstance(holder, ast.Assign) and all(isinstance(t, (ast.Subscript, ast.Attribute))
+                                                   for t in holder.targets)):
+        return False
+    containers = {ast.unparse(t.value if isinstance(t, ast.Subscript) else t) for t in holder.targets}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Assign) or node is holder:
+            continue
+        read = node.value.value if isinstance(node.value, ast.Subscript) else node.value
+        if isinstance(read, (ast.Name, ast.Attribute)) and ast.unparse(read) in containers:
+            names = {n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if any(isinstance(c, ast.Call) and _calls_attention(c) and any(
+                    isinstance(a, ast.Name) and a.id in names for a in [*c.args, *(k.value for k in c.keywords)])
+                   for c in ast.walk(tree)):
+                return True
+    return False
 
 
 def cached_kv_refusal(model_class, config) -> str | None:
@@ -238,7 +381,9 @@ def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int
     splits the K/V projections by head).
 
     Raises:
-        ValueError: N does not divide the KV heads, or the model keeps latent K/V (one shared head).
+        ValueError: N does not divide a layer's KV heads (`layer_specs_of`), the model keeps latent K/V
+            (one shared head) and N > 1, or its layers differ in K/V shape (per-layer shapes: read
+            `layer_specs_of`).
     """
     text = config.get_text_config(decoder=True)
     if has_latent_kv(config):
@@ -246,13 +391,15 @@ def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int
             raise ValueError("hf_paged: latent attention (one shared K/V head) cannot be split over tensor-parallel "
                              f"ranks (tensor_parallel_size={tensor_parallel_size})")
         return 1, text.kv_lora_rank, text.qk_rope_head_dim
-    num_attention_heads = getattr(text, "num_attention_heads", 1)
-    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_attention_heads
-    if num_kv_heads % tensor_parallel_size or num_attention_heads % tensor_parallel_size:
-        raise ValueError(f"hf_paged: tensor_parallel_size={tensor_parallel_size} must divide the model's "
-                         f"{num_attention_heads} attention heads and {num_kv_heads} KV heads")
-    return num_kv_heads // tensor_parallel_size, head_dim, head_dim
+    shapes = {spec.shape for spec in layer_specs_of(config, tensor_parallel_size) if spec.owns_kv}
+    if not shapes:
+        raise ValueError(f"hf_paged: no layer of model_type={text.model_type!r} stores K/V")
+    if len(shapes) > 1:
+        raise ValueError(f"hf_paged: the layers of model_type={text.model_type!r} differ in K/V shape "
+                         f"({sorted((s.num_kv_heads, s.head_dim) for s in shapes)}); read each layer's from "
+                         "layer_specs_of")
+    shape = shapes.pop()
+    return shape.num_kv_heads, shape.head_dim, shape.head_dim_v
 
 
 def check_paged_attention_supported(config) -> None:
@@ -270,22 +417,43 @@ def check_paged_attention_supported(config) -> None:
         )
 
 
+def layer_specs_of(config, tensor_parallel_size: int = 1) -> tuple:
+    """The text decoder's per-layer `kv_spec.LayerSpec`s (one rank's K/V shapes under
+    `tensor_parallel_size`), read from the config as `kv_spec.layer_specs` reads a config.json."""
+    from ..kv_spec import layer_specs
+
+    text = config.get_text_config(decoder=True)
+    return layer_specs(_config_dict(text), tensor_parallel_size)
+
+
+# What `kv_spec.layer_specs` reads, by the names transformers' attributes answer to (a config's
+# `attribute_map` serialises GPT-2's `n_head` as such, and `__post_init__` derives some of them).
+_SPEC_FIELDS = ("layer_types", "sliding_window", "attention_chunk_size", "num_kv_shared_layers", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+
+
+def _config_dict(text) -> dict:
+    """A text config as the dict `kv_spec` reads: its serialised fields, plus what transformers only
+    derives or maps (`layer_types` set in `__post_init__`, `attribute_map` names); `per_layer_config`
+    is serialised as is."""
+    out = text.to_dict()
+    for name in _SPEC_FIELDS:
+        try:
+            value = getattr(text, name, None)
+        except (ValueError, RuntimeError):  # a per-layer attribute of a heterogeneous config: per layer in to_dict()
+            continue
+        if value is not None:
+            out[name] = list(value) if name == "layer_types" else value
+    return out
+
+
 def layer_types_of(config) -> list[str]:
-    """The text decoder's per-layer attention types ("full_attention" when the config names none)."""
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+    """The text decoder's per-layer attention types, as `kv_spec.layer_types` reads a config (the one
+    reader: "full_attention" when the config names none, every layer sliding under a legacy
+    `sliding_window`)."""
+    from ..kv_spec import layer_types
 
-
-def layer_windows_of(config) -> list[int | None]:
-    """Per decoder layer, the sliding window its attention uses (None: full attention), the way
-    transformers' `DynamicCache` reads the config: `layer_types` when given, else every layer slides
-    when the config sets `sliding_window` (Mistral, Phi-3)."""
-    text = config.get_text_config(decoder=True)
-    types = getattr(text, "layer_types", None)
-    window = getattr(text, "sliding_window", None)
-    if types is None:
-        return [window] * text.num_hidden_layers
-    return [window if t == "sliding_attention" else None for t in types]
+    return layer_types(_config_dict(config.get_text_config(decoder=True)))
 
 
 def decoder_of(model: torch.nn.Module) -> torch.nn.Module:

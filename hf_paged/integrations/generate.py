@@ -147,8 +147,15 @@ def _install_generate() -> None:
             from .routing import POSITIONAL_ARGUMENTS, log_fallback
 
             log_fallback(self, POSITIONAL_ARGUMENTS)
+        from ..spec_decode.shared_kv_drafter import is_shared_kv_drafter
         from .batch_generate import passed_cache
 
+        if self.config._attn_implementation == "hf_paged" and passed_cache(kwargs) is None and \
+                is_shared_kv_drafter(kwargs.get("assistant_model")):
+            # Stock's Gemma 4 assistant reads the target's K/V as dense tensors (`shared_kv_states`), which a
+            # PagedCache's layers do not return: stock's assisted path runs with transformers' attention.
+            return _generate_without_paging(self, original_generate, inputs, generation_config, *args,
+                                            reason="a Gemma 4 assistant_model outside the engine", **kwargs)
         if isinstance(passed_cache(kwargs), ReturnedCache):
             passed_cache(kwargs).to_dense()  # stock generate continues from what stock would have returned
         if self.config._attn_implementation == "hf_paged":
@@ -176,14 +183,16 @@ def wants_compileable_cache(model, generation_config, kwargs: dict) -> bool:
     return implementation is not None and implementation not in ("dynamic", "dynamic_full", "paged")
 
 
-def _generate_without_paging(model, original_generate, *args, **kwargs):
+def _generate_without_paging(model, original_generate, *args, reason: str = "a static (compileable) cache",
+                             **kwargs):
     """Run stock generate for a static cache (and the `torch.compile` it enables) with transformers'
     own attention, sdpa (eager where the model has no sdpa), warned once: the paged kernels cannot
-    read a fixed-shape cache. The model's attention is "hf_paged" again afterwards. While this call
-    runs, other threads using the same model object see that attention too."""
+    read a fixed-shape cache (nor hand a Gemma 4 assistant dense K/V: `reason`). The model's attention
+    is "hf_paged" again afterwards. While this call runs, other threads using the same model object
+    see that attention too."""
     fallback = "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
-    _warn_once(model, f"hf_paged: a static (compileable) cache turns paging off for this generate call; it runs "
-               f"transformers' {fallback} attention with that cache")
+    _warn_once(model, f"hf_paged: {reason} turns paging off for this generate call; it runs "
+               f"transformers' {fallback} attention")
     model.set_attn_implementation(fallback)
     try:
         return original_generate(model, *args, **kwargs)
@@ -209,7 +218,7 @@ def uninstall() -> None:
 
 def _check_fits(cache: PagedCache, generation_config) -> None:
     """Fail before the first forward if one sequence of `max_length` can never fit a fixed pool (every
-    KV group's table counted: a sliding-window model needs more blocks per token than one table)."""
+    KV group's table counted: a sliding-window or chunked model needs more blocks per token than one table)."""
     num_blocks, max_length = cache.cache_config.num_blocks, generation_config.max_length
     if num_blocks is not None and max_length is not None and cache.manager.max_blocks_for(max_length) > num_blocks:
         raise ValueError(

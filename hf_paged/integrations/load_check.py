@@ -3,22 +3,23 @@
 transformers resolves a model's attention implementation in `PreTrainedModel.__init__`
 (`get_correct_attn_implementation`), before the model builds its layers, and again in
 `set_attn_implementation`. This wraps that method: when it resolves to "hf_paged" for a class that
-generates and does not route attention through transformers' attention interface
-(`hf.support.attention_refusal`), `from_pretrained` / `from_config` raise one ValueError that names
-the class and what to use instead. A module whose attention-class table has no "hf_paged" key (a
-vision encoder's, inside a model that otherwise routes its attention) is refused the same way, by the
-loaders. Without these, such a model either fails deep inside its own layers
-(`KeyError: 'hf_paged'` from GPT-Neo's or GIT's attention-class tables, Falcon's before 5.25) or,
-worse, loads and attends wrongly (MPT, Bloom, XGLM, GPT-NeoX-Japanese compute attention themselves and read our mask
-in the wrong form). A decoder with cross-attention layers (Mllama, Idefics), whose image K/V would
-land in the paged cache, is refused the same way (`hf.support.cross_attention_refusal`), and so is one whose attention computes
-with the K/V its cache returns before its attention function (`hf.support.cached_kv_refusal`: Doge's
-values-made mask, DiffLlama's split values, JetMoe). So is every decoder the engine would refuse for
-its config alone (`hf.support.check_decoder_supported`: Llama 4's chunked attention, linear-attention
-and Mamba layers, cross-layer KV sharing), with the engine's message: such a model used to load and be
-refused only by its first `generate`, since it routes its attention like any other. Sub-models
-that do not generate (vision towers, encoder stacks) are left alone: they never read the paged
-cache. Reversible (`uninstall`), like the generate patch.
+generates, it first asks what the engine asks of the config alone (`hf.support.check_decoder_supported`:
+linear-attention and Mamba layers, layers that all reuse another model's K/V), with the engine's
+message, which names the layer kind; such a model used to load and be refused only by its first
+`generate`. Then a class that does not route attention through transformers' attention interface
+(`hf.support.attention_refusal`: read off its modules' source where the class does not declare it)
+makes `from_pretrained` / `from_config` raise one ValueError that names the class and what to use
+instead. A module whose attention-class table has no "hf_paged" key (a vision encoder's, inside a
+model that otherwise routes its attention) is refused the same way, by the loaders. Without these,
+such a model either fails deep inside its own layers (`KeyError: 'hf_paged'` from GPT-Neo's or GIT's
+attention-class tables, Falcon's before 5.25) or, worse, loads and attends wrongly (MPT, Bloom, XGLM,
+GPT-NeoX-Japanese compute attention themselves and read our mask in the wrong form). A decoder with
+cross-attention layers (Mllama, Idefics), whose image K/V would land in the paged cache, is refused
+the same way (`hf.support.cross_attention_refusal`), and so is one whose attention computes with the
+K/V its cache returns before its attention function (`hf.support.cached_kv_refusal`: Doge's
+values-made mask, DiffLlama's split values, JetMoe). Sub-models that do not generate (vision towers,
+encoder stacks) are left alone: they never read the paged cache. Reversible (`uninstall`), like the
+generate patch.
 """
 
 from __future__ import annotations
@@ -50,13 +51,15 @@ def install() -> None:
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False):
         applicable = original(self, requested_attention, is_init_check)
         if applicable == ATTN_IMPLEMENTATION and type(self).can_generate():
+            # The config first, as the engine asks: a Mamba or linear-attention layer is refused for its
+            # kind, whatever its attention modules do.
+            if not getattr(self.config, "is_encoder_decoder", False):  # an encoder-decoder keeps the dense fallback
+                _check_decoder(self.config)
             reason = (attention_refusal(type(self), self.config)
                       or cross_attention_refusal(self.config, include_decoder_flag=False)
                       or cached_kv_refusal(type(self), self.config))
             if reason is not None:
                 raise ValueError(reason)
-            if not getattr(self.config, "is_encoder_decoder", False):  # an encoder-decoder keeps the dense fallback
-                _check_decoder(self.config)
         return applicable
 
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation

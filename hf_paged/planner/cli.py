@@ -15,12 +15,14 @@ import argparse
 import json
 import sys
 
-from ..config import DEFAULT_BLOCK_SIZE, SUPPORTED_LAYER_TYPES
+from ..config import DEFAULT_BLOCK_SIZE
 from . import sizing
 from .layers import KNOWN_KINDS, STATE_KINDS
 from .refusals import refusal
 from .sizing import GB, GiB
 
+# What the plan calls the sequences gained by the groups that free blocks, by their layer kinds.
+_GAIN_LABELS = {("sliding_attention",): "sliding-window gain", ("chunked_attention",): "chunked-attention gain"}
 _PLOT_SIZE = (8.0, 5.0)  # inches; at _PLOT_DPI the PNG is 800 x 500 pixels
 _PLOT_DPI = 100
 
@@ -80,7 +82,7 @@ def add_subcommands(subparsers) -> None:
                       help="KV cache dtype (default bfloat16)")
     pl.add_argument("--step-tokens", type=int, default=1,
                     help="tokens the step reaching seq-len writes: 1 while decoding (default), a prefill chunk "
-                         "while prefilling; a sliding-window layer holds its window plus these")
+                         "while prefilling; a sliding-window (chunked) layer holds its window (chunk) plus these")
     pl.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: plan one device's share (its weights and KV heads; default 1)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -132,9 +134,13 @@ def run_kv_size(args) -> int:
         rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype, variant=kind)]
     if args.plot:
         plot_kv_vs_context(shape, args.plot, kv_dtype=args.kv_dtype, batch_size=args.batch, seq_len=args.seq_len)
-    windows = {w for w in shape.kv_layer_windows if w is not None}
+    owning = [s for s in shape.kv_layer_specs if s.owns_kv]
+    windows = sorted({s.mask.window for s in owning if s.mask.window})
+    chunks = sorted({s.mask.chunk for s in owning if s.mask.chunk})
+    num_shared = shape.num_kv_layers - len(owning)
     if args.json:
-        _print_json({"model": shape.name, "layer_kinds": shape.layer_kind_counts, "sliding_windows": sorted(windows),
+        _print_json({"model": shape.name, "layer_kinds": shape.layer_kind_counts, "sliding_windows": windows,
+                     "attention_chunks": chunks, "num_shared_kv_layers": num_shared,
                      "state_bytes_per_seq": shape.state_bytes_per_seq, "refusal": why, "notes": notes,
                      "rows": [r.to_dict() for r in rows], "plot": args.plot})
         return 0
@@ -143,7 +149,11 @@ def run_kv_size(args) -> int:
     print(f"{shape.name}: {_layers_desc(shape)}, {heads}{_kv_desc(shape)}, seq_len {args.seq_len:,}, "
           f"batch {args.batch:,}")
     if windows:
-        print(f"sliding-window layers keep at most {', '.join(f'{w:,}' for w in sorted(windows))} tokens")
+        print(f"sliding-window layers keep at most {', '.join(f'{w:,}' for w in windows)} tokens")
+    if chunks:
+        print(f"chunked-attention layers keep at most their chunk: {', '.join(f'{c:,}' for c in chunks)} tokens")
+    if num_shared:
+        print(f"{num_shared} layers reuse another layer's K/V and keep none of their own")
     if shape.state_bytes_per_seq:
         print(_state_desc(shape))
     native = rows[0].total_bytes if not args.compare else sizing.kv_size(shape, args.seq_len, args.batch,
@@ -165,7 +175,7 @@ def run_kv_size(args) -> int:
 def _layers_desc(shape) -> str:
     """The layer count, with the count of each kind when some layer is not plain attention."""
     counts = shape.layer_kind_counts
-    if set(counts) <= set(SUPPORTED_LAYER_TYPES):
+    if set(counts) <= {"full_attention", "sliding_attention"}:
         return f"{shape.num_layers} layers"
     return f"{shape.num_layers} layers ({', '.join(f'{n} {kind}' for kind, n in counts.items())})"
 
@@ -187,7 +197,12 @@ def _kv_desc(shape) -> str:
         return "no attention (no K/V)"
     if shape.is_mla:
         return f"MLA latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
-    return f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim} ({shape.attention_kind})"
+    desc = f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim} ({shape.attention_kind})"
+    others = {}  # per-layer shapes (Gemma 4's full layers): the layers whose K/V differ from the config's
+    for s in shape.kv_layer_specs:
+        if s.owns_kv and (s.shape.num_kv_heads, s.shape.head_dim) != (shape.num_kv_heads, shape.head_dim):
+            others.setdefault(f"{s.kind} layers {s.shape.num_kv_heads} KV heads x head_dim {s.shape.head_dim}", 0)
+    return ", ".join([desc, *others])
 
 
 def run_roofline(args) -> int:
@@ -288,8 +303,9 @@ def run_plan(args) -> int:
         [f"sequences, contiguous at max length {r.max_seq_len:,}", f"{r.num_seqs_contiguous:,}"],
         ["paging gain", gain],
         *([["sequences if every layer kept every token", f"{r.num_seqs_without_hybrid:,}"],
-           ["sliding-window gain", f"{r.num_seqs_paged / r.num_seqs_without_hybrid:.2f}x"
-            if r.num_seqs_without_hybrid else "-"]] if r.num_kv_groups > 1 else []),
+           [_GAIN_LABELS.get(r.freeing_kinds, "local-attention gain"),
+            f"{r.num_seqs_paged / r.num_seqs_without_hybrid:.2f}x" if r.num_seqs_without_hybrid else "-"]]
+          if r.freeing_kinds else []),
         ["contiguous waste", f"{_gb(r.contiguous_waste_bytes)} ({r.contiguous_waste_fraction:.1%} of each allocation)"],
         ["paged waste (partial blocks)", _gb(r.paged_waste_bytes)],
     ]

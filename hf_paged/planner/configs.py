@@ -55,11 +55,20 @@ FAMILY_DEFAULTS: dict[str, dict] = {
              "block_ffn_dim_multiplier": 1.0, "block_multiple_of": 256, "tie_word_embeddings": True},
     "lfm2_moe": {"num_key_value_heads": 8, "conv_L_cache": 3, "tie_word_embeddings": True},
     "llama4_text": {"num_key_value_heads": 8, "head_dim": 128, "attention_chunk_size": 8192,
-                    "no_rope_layer_interval": 4, "tie_word_embeddings": False},
+                    "no_rope_layer_interval": 4, "n_shared_experts": 1, "tie_word_embeddings": False},
     "minimax": {"num_key_value_heads": 8, "tie_word_embeddings": False},
+    # Gemma 3n / 4: the last `num_kv_shared_layers` reuse K/V; Gemma 4's full layers take `global_head_dim`
+    # (and `num_global_key_value_heads` KV heads where `attention_k_eq_v`).
+    "gemma3n_text": {"num_key_value_heads": 2, "head_dim": 256, "sliding_window": 512, "num_kv_shared_layers": 15,
+                     "hidden_size_per_layer_input": 256, "vocab_size_per_layer_input": 262144,
+                     "tie_word_embeddings": True},
+    "gemma4_text": {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512, "num_kv_shared_layers": 0,
+                    "global_head_dim": 512, "attention_k_eq_v": False, "hidden_size_per_layer_input": 256,
+                    "vocab_size_per_layer_input": 262144, "tie_word_embeddings": True},
 }
 # A multimodal model type and its text model's (whose family defaults it reads).
-_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
+_TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
+                     "gemma3n": "gemma3n_text", "gemma4": "gemma4_text"}
 
 
 def reference_config_names() -> list[str]:

@@ -1,7 +1,8 @@
 """KV bytes of a `ModelShape`: per token and layer, per sequence (with any fixed state), and the
 MHA / GQA / MQA / MLA / fp8 comparison of `hf-paged kv-size --compare`. The formulas are in
-`sizing`'s docstring; a layer's bytes per token come from `config.kv_bytes_per_token_layer`, the
-formula the cache itself allocates by.
+`sizing`'s docstring; a layer's bytes per token come from `config.kv_bytes_per_token_layer` over its
+own K/V shape (its spec's), the formula the cache itself allocates by, and the tokens it holds from
+its spec (`kv_spec`): every token, a window, a chunk, or none for a layer reusing another's K/V.
 """
 
 from __future__ import annotations
@@ -9,40 +10,58 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import kv_bytes_per_token_layer, kv_scale_bytes_per_token_layer
+from ..kv_spec import LayerSpec
 from .shape import GB, GiB, ModelShape, check_positive, dtype_spec
 
 
 def kv_bytes_per_layer_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
-    """Bytes one token takes in one layer: 2 * num_kv_heads * head_dim * bpe, or for MLA
-    (kv_lora_rank + qk_rope_head_dim) * bpe."""
+    """Bytes one token takes in a layer of the config's KV heads and head size: 2 * num_kv_heads *
+    head_dim * bpe, or for MLA (kv_lora_rank + qk_rope_head_dim) * bpe (`spec_bytes_per_token` per layer)."""
     spec = dtype_spec(kv_dtype)
     if shape.is_mla:  # one latent "head" and one rope "head", each with its own scale when quantised
         return kv_bytes_per_token_layer(1, shape.kv_lora_rank, shape.qk_rope_head_dim, spec)
     return kv_bytes_per_token_layer(shape.num_kv_heads, shape.head_dim, shape.v_head_dim, spec)
 
 
+def spec_bytes_per_token(spec: LayerSpec, kv_dtype: str = "bfloat16") -> int:
+    """Bytes one token takes in the layer of `spec`, by its own K/V shape (0: it reuses another's)."""
+    if not spec.owns_kv:
+        return 0
+    s = spec.shape
+    return kv_bytes_per_token_layer(s.num_kv_heads, s.head_dim, s.head_dim_v, dtype_spec(kv_dtype))
+
+
+def tokens_held(spec: LayerSpec, seq_len: int) -> int:
+    """Tokens the layer of `spec` stores for a sequence of `seq_len` tokens, at most: every one for
+    full attention, min(seq_len, window) for a sliding window, min(seq_len, chunk) for chunked local
+    attention (`spec.max_tokens_held` of a one-token step), none for a layer reusing another's K/V."""
+    held = spec.max_tokens_held(1)
+    return seq_len if held is None else min(seq_len, held)
+
+
 def kv_scale_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
     """Of `kv_bytes_per_token`, the bytes of a quantised cache's scales (0 unquantised)."""
-    return shape.num_kv_layers * kv_scale_bytes_per_token_layer(1 if shape.is_mla else shape.num_kv_heads,
-                                                                dtype_spec(kv_dtype))
+    return sum(kv_scale_bytes_per_token_layer(s.shape.num_kv_heads, dtype_spec(kv_dtype))
+               for s in shape.kv_layer_specs if s.owns_kv)
 
 
 def kv_bytes_per_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
-    """Bytes one token takes across the layers that keep K/V, before any sliding-window cap:
-    2 * num_kv_layers * num_kv_heads * head_dim * bytes_per_element (MLA: see the module docstring).
-    A layer with a fixed state instead (linear attention, Mamba) adds nothing per token."""
-    return shape.num_kv_layers * kv_bytes_per_layer_token(shape, kv_dtype)
+    """Bytes one token takes across the layers that keep K/V, before any window or chunk cap: the sum
+    over those layers of 2 * num_kv_heads * head_dim * bytes_per_element, each by its own shape (MLA:
+    see the module docstring). A layer with a fixed state instead (linear attention, Mamba) adds
+    nothing per token, nor does one that reuses another layer's K/V (Gemma 3n/4)."""
+    return sum(spec_bytes_per_token(s, kv_dtype) for s in shape.kv_layer_specs)
 
 
 def kv_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> int:
     """Bytes the KV cache and fixed state of `batch_size` sequences of `seq_len` tokens hold; a
-    sliding-window layer stores min(seq_len, window) tokens."""
+    sliding-window layer stores min(seq_len, window) tokens, a chunked one min(seq_len, chunk)
+    (`tokens_held`)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
         raise ValueError(f"seq-len must be a non-negative integer, got {seq_len!r}")
     check_positive(batch=batch_size)
-    per_layer = kv_bytes_per_layer_token(shape, kv_dtype)
-    tokens = sum(seq_len if w is None else min(seq_len, w) for w in shape.kv_layer_windows)
-    return batch_size * (tokens * per_layer + shape.state_bytes_per_seq)
+    per_seq = sum(tokens_held(s, seq_len) * spec_bytes_per_token(s, kv_dtype) for s in shape.kv_layer_specs)
+    return batch_size * (per_seq + shape.state_bytes_per_seq)
 
 
 @dataclass(frozen=True)

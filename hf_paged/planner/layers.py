@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..kv_spec import LayerSpec, layer_specs
 from .configs import family
 
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
@@ -54,7 +55,8 @@ _LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention", "re
 _NEMOTRON_PATTERN = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
 _STATE_DTYPES = ("float32", "float16", "bfloat16")
 # Families whose config class makes every `sliding_window_pattern`-th layer full attention (default here).
-_SLIDING_PATTERNS = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "gemma3": 6, "cohere2": 4, "gemma3n_text": 5}
+_SLIDING_PATTERNS = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "gemma3": 6, "cohere2": 4, "gemma3n_text": 5,
+                     "gemma4_text": 6}
 
 # Which mixer a family's state layers run.
 _MIXERS = {
@@ -167,7 +169,10 @@ def _family_kinds(c: dict, mt: str | None, n: int) -> list[str]:
         return ["full_attention" if (i + 1) % 2 else "linear_attention" for i in range(n)]
     if mt in _SLIDING_PATTERNS and c.get("sliding_window"):  # every pattern-th layer full, the rest sliding
         pattern = int(c.get("sliding_window_pattern") or _SLIDING_PATTERNS[mt])
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+        if mt == "gemma4_text" and kinds:
+            kinds[-1] = "full_attention"  # Gemma 4's config forces its last layer to full attention
+        return kinds
     if mt == "kimi_linear":
         linear = c.get("linear_attn_config") or {}
         if "full_attn_layers" in linear and "kda_layers" in linear:  # 1-indexed in the checkpoint
@@ -191,22 +196,27 @@ def _sliding_by_window(c: dict, n: int) -> list[str]:
     return ["sliding_attention"] * n
 
 
-def kv_windows(c: dict, kinds: tuple[str, ...]) -> tuple[int | None, ...]:
-    """Per layer that keeps K/V (every kind but the state-only and mixer-less ones), the most tokens
-    it keeps: the sliding window, Llama 4's attention chunk, or None (every token)."""
+def has_attention(kind: str) -> bool:
+    """Whether a layer of `kind` keeps or reads K/V per token (every kind but the state-only and
+    mixer-less ones; a kind the planner does not know counts as attention)."""
+    return kind not in MIXERLESS_KINDS and not (kind in STATE_KINDS and kind not in ATTENTION_KINDS)
+
+
+def kv_layer_specs(c: dict, kinds: tuple[str, ...]) -> tuple[LayerSpec, ...]:
+    """Per layer that keeps or reads K/V (`has_attention`), its spec, by the one definition the cache
+    uses (`kv_spec.layer_specs`: windows, chunks, shared K/V, per-layer shapes). A kind the cache does
+    not serve yet (a hybrid layer's attention, indexed attention, an unknown kind), a sliding layer
+    without a window or a chunked one without a chunk counts as full attention (every token's K/V).
+
+    Raises:
+        ValueError: what `kv_spec.layer_specs` refuses (a reuse layer without a source, ...).
+    """
     window = c.get("sliding_window") or c.get("attention_window_size")
-    out = []
-    for kind in kinds:
-        if kind in MIXERLESS_KINDS or (kind in STATE_KINDS and kind not in ATTENTION_KINDS):
-            continue
-        if kind == "sliding_attention":
-            out.append(int(window) if window else None)
-        elif kind == "chunked_attention":
-            chunk = c.get("attention_chunk_size")
-            out.append(int(chunk) if chunk else None)
-        else:
-            out.append(None)
-    return tuple(out)
+    chunk = c.get("attention_chunk_size")
+    present = {"sliding_attention": bool(window), "chunked_attention": bool(chunk), "full_attention": True}
+    types = [kind if present.get(kind) else "full_attention" for kind in kinds]
+    specs = layer_specs({**c, "layer_types": types, "num_hidden_layers": len(kinds), "sliding_window": window})
+    return tuple(spec for spec, kind in zip(specs, kinds) if has_attention(kind))
 
 
 def mixer_state(c: dict, kind: str) -> MixerState | None:

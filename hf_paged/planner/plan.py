@@ -1,23 +1,26 @@
 """How many KV blocks and sequences fit one GPU (`plan`), and which tensor-parallel split fits when
 one GPU does not (`tp_options`, `smallest_fit`). Blocks are counted as `PagedCache` allocates them
-(`config.kv_layout`, `config.blocks_held`). Torch-free.
+(`config.kv_layout` over the layers' specs, `config.kv_bytes_per_block`, `config.blocks_held`).
+Torch-free.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import DEFAULT_BLOCK_SIZE, blocks_held, kv_layout
-from .kv import kv_bytes_per_layer_token, kv_bytes_per_token
-from .shape import GB, ModelShape, check_positive, weight_bytes
+from ..config import DEFAULT_BLOCK_SIZE, blocks_held, kv_bytes_per_block, kv_layout
+from .kv import kv_bytes_per_token
+from .shape import GB, ModelShape, check_positive, dtype_spec, weight_bytes
 
 
 @dataclass(frozen=True)
 class Plan:
     """What fits in one GPU. Blocks follow `PagedCache`'s layout (`config.kv_layout`): a
-    block holds `block_size` tokens of one layer per storage slot, bytes_per_block = block_size *
-    kv_bytes_per_layer_token * num_slots (every layer for a model with full attention only); a
-    sequence holds `blocks_held` blocks per KV group, the equation the cache frees by. A model with
+    block holds `block_size` tokens of one group's layers, bytes_per_block = block_size * (page_k +
+    page_v) * bytes_per_element (`config.kv_bytes_per_block`; with one K/V shape, block_size *
+    kv_bytes_per_layer_token * num_slots: every layer for a model with full attention only); a
+    sequence holds `blocks_held` blocks per KV group, the equation the cache frees by (a layer that
+    reuses another's K/V holds none). A model with
     a fixed state per sequence (linear attention, Mamba) spends `state_bytes_per_seq` of the budget on
     each sequence besides its blocks; `num_blocks` is then what the budget holds beside the states of
     `num_seqs_paged` sequences."""
@@ -42,6 +45,7 @@ class Plan:
     step_tokens: int = 1
     num_seqs_without_hybrid: int = 0  # the same with every layer keeping every token (enable_hybrid_kv=False)
     state_bytes_per_seq: int = 0
+    freeing_kinds: tuple = ()  # the layer kinds whose groups free blocks (sliding_attention, chunked_attention)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -54,14 +58,15 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
 
         kv_budget   = floor(memory_bytes * utilization) - weight_bytes     (or `kv_budget_bytes`)
         num_blocks  = kv_budget // (block_size * kv_bytes_per_layer_token * num_slots)
-        per seq     = sum over KV groups of blocks_held(seq_len - step_tokens, window, block_size,
+        per seq     = sum over KV groups of blocks_held(seq_len - step_tokens, group spec, block_size,
                                                          new_tokens=step_tokens)
         paged       = kv_budget // (per seq * bytes_per_block + state_bytes_per_seq)
         contiguous  = kv_budget // (max_seq_len * kv_bytes_per_token + state_bytes_per_seq)
                                                                             every sequence reserves max_seq_len
 
     `step_tokens`: tokens the step that brings a sequence to `seq_len` writes (1: decoding; a
-    prefill chunk while prefilling). A sliding group holds its window plus that step's tokens.
+    prefill chunk while prefilling). A sliding (chunked) group holds its window (chunk) plus that
+    step's tokens.
     `max_seq_len` defaults to the config's max_position_embeddings (else `seq_len`).
 
     Raises:
@@ -95,13 +100,13 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
         raise ValueError(f"step-tokens must be an integer in [1, seq-len], got {step_tokens!r}")
     per_token = kv_bytes_per_token(shape, kv_dtype)
     state = shape.state_bytes_per_seq
-    layout = kv_layout(shape.kv_layer_windows)
-    per_block = block_size * kv_bytes_per_layer_token(shape, kv_dtype) * layout.num_slots
-    blocks_per_seq = sum(blocks_held(seq_len - step_tokens, w, block_size, new_tokens=step_tokens)
-                         for w in layout.windows)
+    layout = kv_layout(shape.kv_layer_specs)
+    per_block = kv_bytes_per_block(layout, block_size, dtype_spec(kv_dtype)) if layout.groups else 0
+    before = seq_len - step_tokens
+    blocks_per_seq = sum(blocks_held(before, spec, block_size, new_tokens=step_tokens) for spec in layout.group_specs)
     if not blocks_per_seq * per_block + state:
         raise ValueError(f"{shape.name} keeps neither K/V nor a state per sequence: nothing to plan")
-    kept_tokens = sum(seq_len if w is None else min(seq_len, w - 1 + step_tokens) for w in layout.windows)
+    kept_tokens = sum(seq_len - spec.first_readable(before) for spec in layout.group_specs)
     paged = kv_budget_bytes // (blocks_per_seq * per_block + state)
     num_blocks = (kv_budget_bytes - paged * state) // per_block if per_block else 0
     contiguous = kv_budget_bytes // (max_seq_len * per_token + state)
@@ -116,6 +121,7 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
         paged_waste_bytes=paged * (blocks_per_seq * block_size - kept_tokens) * per_block // block_size,
         num_kv_groups=len(layout.groups), step_tokens=step_tokens, num_seqs_without_hybrid=without_hybrid,
         state_bytes_per_seq=state,
+        freeing_kinds=tuple(dict.fromkeys(s.kind for s in layout.group_specs if s.reach is not None)),
     )
 
 
@@ -137,13 +143,14 @@ class TPOption:
 
 
 def tp_sizes(shape: ModelShape, above: int = 1) -> list[int]:
-    """The tensor-parallel sizes above `above` a model allows: powers of two dividing its attention and
-    KV heads (what `ModelShape.per_rank` requires; none for latent attention)."""
+    """The tensor-parallel sizes above `above` a model allows: powers of two dividing its attention
+    heads and every layer's KV heads (what `ModelShape.per_rank` requires; none for latent attention)."""
     if shape.is_mla:
         return []
     sizes, tp = [], 2
+    kv_heads = shape.kv_head_counts or (shape.num_kv_heads,)
     while tp <= max(shape.num_attention_heads, 1):
-        if tp > above and not shape.num_attention_heads % tp and not shape.num_kv_heads % tp:
+        if tp > above and not shape.num_attention_heads % tp and not any(h % tp for h in kv_heads):
             sizes.append(tp)
         tp *= 2
     return sizes

@@ -4,7 +4,8 @@ instead of planning sequences for a model that would be refused at load.
 Two sources, the same ones `integrations.load_check` asks at load:
 
 * the config: layer kinds other than `config.SUPPORTED_LAYER_TYPES` (the one definition `hf.support`
-  uses too), cross-attention layers, cross-layer KV sharing, an encoder-decoder, no attention heads
+  uses too, `kv_spec.LAYER_KINDS`), cross-attention layers, a model whose every layer reads another
+  model's K/V (an assistant drafter), an encoder-decoder, no attention heads
   (`hf.support.check_decoder_supported`, read here from the dict);
 * the model class, which a config cannot show: `NOT_ROUTED` (`hf.support.attention_refusal`: its
   modules compute attention themselves), `CACHED_KV` (`hf.support.cached_kv_refusal`: its attention
@@ -16,21 +17,18 @@ Two sources, the same ones `integrations.load_check` asks at load:
 from __future__ import annotations
 
 from ..config import SUPPORTED_LAYER_TYPES
+from ..kv_spec import kv_sources
 from .configs import family, text_config
 from .layers import MIXERLESS_KINDS, layer_kinds
 
 NOT_ROUTED = frozenset({
-    "bailing_hybrid", "bamba", "big_bird", "biogpt", "blip", "bloom", "blt", "cpmant", "deepseek_vl",
-    "deepseek_vl_hybrid", "evolla", "falcon", "falcon_h1", "falcon_mamba", "git", "gpt_neo", "gpt_neox_japanese",
-    "inkling2", "inkling2_loop", "inkling2_loop_text", "inkling2_text", "inkling_mm_model", "inkling_text", "jamba",
-    "janus", "kimi_linear", "lara_mini", "mamba", "mamba2", "megatron-bert", "minicpm_ocr", "minicpmv4_6",
-    "minicpmv4_7", "mpt", "nemotron_h", "nemotron_h_omni", "olmo_hybrid", "openai-gpt", "qwen3_5", "qwen3_5_moe",
-    "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "qwen4_exp", "qwen4_exp_text", "reformer", "rembert",
-    "roformer", "rwkv", "stablelm", "trocr", "xglm", "xlm", "xlnet", "xlstm", "zamba2",
+    "big_bird", "blip", "bloom", "cpmant", "deepseek_vl", "deepseek_vl_hybrid", "falcon", "falcon_mamba", "git",
+    "gpt_neo", "gpt_neox_japanese", "janus", "mamba", "mamba2", "megatron-bert", "minicpm_ocr", "minicpmv4_6",
+    "minicpmv4_7", "mpt", "nemotron_h_omni", "openai-gpt", "reformer", "rembert", "roformer", "rwkv", "stablelm",
+    "trocr", "xglm", "xlm", "xlnet", "xlstm",
 })
 CACHED_KV = frozenset({
-    "diffllama", "doge", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text",
-    "hrm_text", "idefics", "jetmoe", "kolibri1_1", "pi05",
+    "diffllama", "doge", "hrm_text", "idefics", "jetmoe", "kolibri1_1", "pi05",
 })
 REFUSED_AT_RUN = {
     "dory": "it runs a layer several times, keeping K/V per pass in copies of the cache's layers",
@@ -63,11 +61,14 @@ def refusal(config: dict) -> str | None:
     if counts:
         listed = " and ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
         reasons.append(f"{listed} layers (of {len(kinds)}), and hf_paged serves only "
-                       f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers")
+                       f"{', '.join(SUPPORTED_LAYER_TYPES[:-1])} and {SUPPORTED_LAYER_TYPES[-1]} layers")
     if c.get("cross_attention_layers") or config.get("cross_layer_interval") is not None:
         reasons.append("cross-attention layers (K/V of an image or encoder beside the tokens')")
-    if c.get("num_kv_shared_layers") or c.get("kv_sharing_modes"):
-        reasons.append("cross-layer KV sharing (a layer that reads another layer's K/V)")
+    if kinds:
+        try:  # every reuse layer needs an earlier layer of its type that stores the K/V it reads
+            kv_sources(c, kinds)
+        except (ValueError, TypeError) as exc:
+            reasons.append(str(exc))
     if not reasons and c.get("num_attention_heads") is None and c.get("num_key_value_heads") is None:
         reasons.append("no attention heads in its config")
     if not reasons:  # what the config shows comes first; the class's reason only where it shows nothing

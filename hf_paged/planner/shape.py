@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_cache_dtype
+from ..kv_spec import FullAttention, KVShape, LayerSpec, SharedKV, map_shapes
 from .configs import family, load_config, text_config
-from .layers import STATE_KINDS, has_mixer, has_mlp, layer_kinds, kv_windows, mixer_state, model_dtype
+from .layers import (STATE_KINDS, has_attention, has_mixer, has_mlp, kv_layer_specs, layer_kinds, mixer_state,
+                     model_dtype)
 
 GB = 10**9
 GiB = 2**30
@@ -24,11 +26,13 @@ _OLD_SPELLINGS = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp3
 
 # Families whose attention normalises each query and key head (a `head_dim` weight each, per layer).
 QK_NORM_TYPES = frozenset({"qwen3", "qwen3_moe", "gemma3", "gemma3_text", "qwen3_next", "qwen3_5_text",
-                           "qwen3_5_moe_text", "lfm2", "lfm2_moe"})
+                           "qwen3_5_moe_text", "lfm2", "lfm2_moe", "gemma3n_text", "gemma4_text"})
 # Families with a norm before and after both attention and the MLP (four per layer, not two).
-SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text"})
+SANDWICH_NORM_TYPES = frozenset({"gemma2", "gemma3", "gemma3_text", "gemma3n_text", "gemma4_text"})
 # Families whose MLP has no gate (up and down projections only).
 UNGATED_MLP_TYPES = frozenset({"nemotron_h"})
+# Families with per-layer inputs (`hidden_size_per_layer_input`), counted with the embeddings.
+PER_LAYER_INPUT_TYPES = frozenset({"gemma3n_text", "gemma4_text"})
 # Families whose attention gates its output by a second query-sized projection (q_proj twice as wide).
 OUTPUT_GATE_TYPES = frozenset({"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"})
 
@@ -62,11 +66,14 @@ def check_positive(**values) -> None:
 class ModelShape:
     """What sizing needs from a decoder config.
 
-    `layer_kinds[i]` is layer i's kind (`layers`); `layer_windows` has one entry per layer that keeps
-    K/V: its sliding window (or attention chunk), or None for every token. A shape built without
-    `layer_kinds` has attention in every layer (`layer_windows` empty: full attention). MLA models set
-    `kv_lora_rank`; their `head_dim` / `v_head_dim` are the uncompressed per-head K / V widths
-    (qk_nope + qk_rope, v_head_dim), used only for the MHA-equivalent comparison. Layers with a fixed
+    `layer_kinds[i]` is layer i's kind (`layers`); `kv_specs` has one `kv_spec` spec per layer that
+    keeps or reads K/V (`layers.kv_layer_specs`, the cache's own definition): its kind, window or
+    chunk, K/V shape (per layer: Gemma 4's full layers differ), or the layer whose K/V it reuses
+    (`SharedKV`, Gemma 3n/4, costing nothing). A shape built without `layer_kinds` has full attention
+    in every layer. `num_kv_heads` / `head_dim` are the config's (what most layers hold). MLA models
+    set `kv_lora_rank` (their specs' shape is the latent and the rope key, one "head" each); their
+    `head_dim` / `v_head_dim` are the uncompressed per-head K / V widths (qk_nope + qk_rope,
+    v_head_dim), used only for the MHA-equivalent comparison. Layers with a fixed
     state (linear attention, Mamba, short convolutions) add `recurrent_state_elements` and
     `conv_state_elements` per sequence, whatever its length; `num_unsized_state_layers` of them are of
     a mixer the planner cannot size.
@@ -81,7 +88,7 @@ class ModelShape:
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int | None
-    layer_windows: tuple = ()
+    kv_specs: tuple[LayerSpec, ...] = ()
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
     num_params: int = 0  # stored parameters (weights in memory)
@@ -104,13 +111,21 @@ class ModelShape:
         return self.kv_lora_rank is not None
 
     @property
-    def kv_layer_windows(self) -> tuple:
-        """Per layer that keeps K/V, its window (None: every token)."""
-        return self.layer_windows if self.layer_kinds else (self.layer_windows or (None,) * self.num_layers)
+    def kv_layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Per layer that keeps or reads K/V, its spec (see the class docstring)."""
+        if self.layer_kinds or self.kv_specs:
+            return self.kv_specs
+        return (FullAttention(KVShape(self.num_kv_heads, self.head_dim, self.v_head_dim)),) * self.num_layers
 
     @property
     def num_kv_layers(self) -> int:
-        return len(self.kv_layer_windows)
+        """Layers that attend over K/V per token (those reusing another layer's included)."""
+        return len(self.kv_layer_specs)
+
+    @property
+    def kv_head_counts(self) -> tuple[int, ...]:
+        """The distinct KV head counts of the layers that store K/V (one for most models)."""
+        return tuple(sorted({s.shape.num_kv_heads for s in self.kv_layer_specs if s.owns_kv}))
 
     @property
     def state_bytes_per_seq(self) -> int:
@@ -159,8 +174,8 @@ class ModelShape:
         try:
             kinds = layer_kinds(c)
             hidden = int(c["hidden_size"])
-            windows = kv_windows(c, kinds)
-            num_heads = int(c["num_attention_heads"]) if windows else int(c.get("num_attention_heads") or 0)
+            attends = any(has_attention(k) for k in kinds)
+            num_heads = int(c["num_attention_heads"]) if attends else int(c.get("num_attention_heads") or 0)
         except KeyError as e:
             raise ValueError(f"config of {name!r} has no {e.args[0]!r}; is it a decoder-only LM config?") from None
         mt = family(c.get("model_type"))
@@ -176,6 +191,9 @@ class ModelShape:
             head_dim = int(c.get("head_dim") or c.get("attention_head_dim") or 0)
             head_dim = head_dim or (hidden // num_heads if num_heads else 0)
             v_head_dim = head_dim
+        specs = kv_layer_specs({**c, "head_dim": head_dim or None, "num_key_value_heads": num_kv_heads}, kinds)
+        if kv_lora_rank is not None:  # one latent and one rope key per token and layer
+            specs = map_shapes(specs, lambda _: KVShape(1, int(kv_lora_rank), rope))
 
         # Parameters, layer by layer: attention where a layer keeps K/V, its mixer where it keeps a
         # state, its MLP (dense or experts) where it has one.
@@ -184,20 +202,15 @@ class ModelShape:
             q = hidden * q_lora + q_lora + q_lora * num_heads * head_dim if q_lora else hidden * num_heads * head_dim
             attn = (q + hidden * (kv_lora_rank + rope) + kv_lora_rank
                     + kv_lora_rank * num_heads * (head_dim - rope + v_head_dim) + num_heads * v_head_dim * hidden)
+            attention = len(specs) * attn
         else:
-            attn = hidden * num_heads * head_dim + 2 * hidden * num_kv_heads * head_dim + num_heads * head_dim * hidden
-            if c.get("attn_output_gate", mt in OUTPUT_GATE_TYPES):
-                attn += hidden * num_heads * head_dim
-            if c.get("attention_bias") or mt == "qwen2":
-                attn += num_heads * head_dim + 2 * num_kv_heads * head_dim
-        num_attention_layers = len(windows)
+            attention = sum(_attention_params(c, mt, hidden, num_heads, spec) for spec in specs)
         states = [mixer_state(c, k) for k in kinds if k in STATE_KINDS]
         sized = [s for s in states if s is not None]
         gated = 2 if mt in UNGATED_MLP_TYPES else 3  # gate, up, down (SwiGLU), or up and down
-        dense_mlp = gated * hidden * _mlp_width(c, mt, hidden)
         num_experts = int(c.get("n_routed_experts") or c.get("num_local_experts") or c.get("num_experts") or 0)
         top_k = int(c.get("num_experts_per_tok") or 0) if num_experts else 0
-        expert_inter = int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0)
+        expert_inter = int(c.get("moe_intermediate_size") or _mlp_width(c, None, 0) or 0)
         expert = gated * hidden * expert_inter
         shared_inter = int(c.get("shared_expert_intermediate_size") or 0)
         shared = (gated * hidden * (int(c.get("n_shared_experts") or 0) * expert_inter + shared_inter
@@ -209,19 +222,27 @@ class ModelShape:
         # families); the per-head q/k norms of the families that have them.
         per_norm = (2 if mt in SANDWICH_NORM_TYPES else 1) * hidden
         residual_norms = sum(has_mixer(k) + has_mlp(c, k) for k in kinds) * per_norm
-        qk_norms = 2 * head_dim if mt in QK_NORM_TYPES else 0
-        norms = residual_norms + num_attention_layers * qk_norms
+        # q and k norms over each layer's own head size (no k norm where a layer reuses another's K/V)
+        qk_norms = sum(_own(s).shape.head_dim * (1 + s.owns_kv) for s in specs) if mt in QK_NORM_TYPES else 0
+        norms = residual_norms + qk_norms
         router = num_experts * hidden
-        dense = (num_attention_layers * attn + sum(s.params for s in sized) + norms
-                 + (len(mlp_layers) - num_moe) * dense_mlp + num_moe * (shared + router))
+        dense_mlp = sum(gated * hidden * _mlp_width(c, mt, hidden, i) for i in mlp_layers
+                        if not (num_experts and _is_moe_layer(c, mt, i, kinds[i])))
+        dense = attention + sum(s.params for s in sized) + norms + dense_mlp + num_moe * (shared + router)
         embed = vocab * hidden
+        per_layer_input = int(c.get("hidden_size_per_layer_input") or 0) if mt in PER_LAYER_INPUT_TYPES else 0
+        per_layer_embed = 0  # Gemma 3n/4: a second embedding table of per-layer inputs, projected into every layer
+        if per_layer_input:
+            per_layer_embed = int(c.get("vocab_size_per_layer_input") or vocab) * num_layers * per_layer_input
+            dense += (hidden * num_layers * per_layer_input + per_layer_input
+                      + num_layers * (2 * hidden * per_layer_input + hidden))
         tied = bool(c.get("tie_word_embeddings", False))
-        num_params = dense + num_moe * num_experts * expert + embed + (0 if tied else embed) + hidden
+        num_params = dense + num_moe * num_experts * expert + embed + (0 if tied else embed) + hidden + per_layer_embed
         recurrent_dtypes = {s.recurrent_dtype for s in sized if s.recurrent}
         return cls(
             name=name, num_layers=num_layers, num_attention_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, v_head_dim=v_head_dim, hidden_size=hidden, vocab_size=vocab,
-            max_position_embeddings=c.get("max_position_embeddings"), layer_windows=windows,
+            max_position_embeddings=c.get("max_position_embeddings"), kv_specs=specs,
             kv_lora_rank=int(kv_lora_rank) if kv_lora_rank is not None else None, qk_rope_head_dim=rope,
             num_params=num_params, num_dense_matmul_params=dense + embed,  # + lm_head (tied or not)
             num_moe_layers=num_moe, num_experts=num_experts, num_experts_per_tok=top_k, expert_params=expert,
@@ -247,23 +268,33 @@ class ModelShape:
         if self.is_mla:
             raise ValueError(f"latent attention (one shared K/V head) cannot be split over {tensor_parallel_size} "
                              "ranks")
-        if self.num_kv_heads % tensor_parallel_size or self.num_attention_heads % tensor_parallel_size:
+        kv_heads = self.kv_head_counts or (self.num_kv_heads,)
+        if any(h % tensor_parallel_size for h in kv_heads) or self.num_attention_heads % tensor_parallel_size:
             raise ValueError(f"tp {tensor_parallel_size} must divide the {self.num_attention_heads} attention heads "
-                             f"and {self.num_kv_heads} KV heads")
+                             f"and {' and '.join(map(str, kv_heads))} KV heads")
+        tp = tensor_parallel_size
         # transformers' TP plans split every matmul (attention, MLP, experts, lm_head) and the embedding
         # (rowwise over the vocabulary); the norms stay whole on every rank.
         whole = self.norm_params
         return replace(self, name=f"{self.name} (one of {tensor_parallel_size} TP ranks)",
                        num_attention_heads=self.num_attention_heads // tensor_parallel_size,
                        num_kv_heads=self.num_kv_heads // tensor_parallel_size,
+                       kv_specs=map_shapes(self.kv_specs, lambda s: KVShape(s.num_kv_heads // tp, s.head_dim,
+                                                                            s.head_dim_v)),
                        num_params=whole + max(0, self.num_params - whole) // tensor_parallel_size,
                        num_dense_matmul_params=self.num_dense_matmul_params // tensor_parallel_size,
                        expert_params=self.expert_params // tensor_parallel_size)
 
     def with_kv_heads(self, num_kv_heads: int) -> "ModelShape":
-        """The same model with standard attention and `num_kv_heads` KV heads (MHA/GQA/MQA what-ifs)."""
+        """The same model with standard attention and `num_kv_heads` KV heads in every layer (MHA/GQA/MQA
+        what-ifs; each layer keeps its head size, an MLA model gets its uncompressed ones)."""
         check_positive(kv_heads=num_kv_heads)
-        return replace(self, num_kv_heads=num_kv_heads, kv_lora_rank=None)
+        if self.is_mla:
+            shape = KVShape(num_kv_heads, self.head_dim, self.v_head_dim)
+            specs = map_shapes(self.kv_specs, lambda _: shape)
+        else:
+            specs = map_shapes(self.kv_specs, lambda s: KVShape(num_kv_heads, s.head_dim, s.head_dim_v))
+        return replace(self, num_kv_heads=num_kv_heads, kv_lora_rank=None, kv_specs=specs)
 
 
 def weight_bytes(shape: ModelShape, weight_dtype: str = "bfloat16") -> int:
@@ -271,11 +302,34 @@ def weight_bytes(shape: ModelShape, weight_dtype: str = "bfloat16") -> int:
     return shape.num_params * dtype_bytes(weight_dtype)
 
 
-def _mlp_width(c: dict, mt: str | None, hidden: int) -> int:
-    """A dense MLP's intermediate width (LFM2 adjusts its configured one; Granite 4's is its shared MLP)."""
+def _own(spec: LayerSpec) -> LayerSpec:
+    """A layer's own spec (a layer reusing another's K/V: as if it stored its own): its head size."""
+    return spec.reads if isinstance(spec, SharedKV) else spec
+
+
+def _attention_params(c: dict, mt: str | None, hidden: int, num_heads: int, spec: LayerSpec) -> int:
+    """One attention layer's projections, by its own K/V shape: q and o over its head size, k and v
+    over its KV heads (v left out where Gemma 4's full layers reuse k, both where the layer reuses
+    another layer's K/V), an output gate and biases where the family has them."""
+    own = _own(spec)
+    heads_kv, dim = own.shape.num_kv_heads, own.shape.head_dim
+    num_kv_proj = 0 if not spec.owns_kv else 1 if c.get("attention_k_eq_v") and own.kind == "full_attention" else 2
+    params = 2 * hidden * num_heads * dim + num_kv_proj * hidden * heads_kv * dim
+    if c.get("attn_output_gate", mt in OUTPUT_GATE_TYPES):
+        params += hidden * num_heads * dim
+    if c.get("attention_bias") or mt == "qwen2":
+        params += num_heads * dim + num_kv_proj * heads_kv * dim
+    return params
+
+
+def _mlp_width(c: dict, mt: str | None, hidden: int, layer: int = 0) -> int:
+    """Layer `layer`'s dense MLP intermediate width (LFM2 adjusts its configured one; Granite 4's is its
+    shared MLP; Llama 4's dense layers have their own; Gemma 3n names one per layer)."""
     if mt == "granitemoehybrid" and not (c.get("num_local_experts") or 0):
         return int(c.get("shared_intermediate_size") or 0)
-    width = int(c.get("intermediate_size") or 4 * hidden)
+    width = c.get("intermediate_size_mlp") if mt == "llama4_text" else None
+    width = width or c.get("intermediate_size") or 4 * hidden
+    width = int(width[layer] if isinstance(width, list) else width)
     if mt in ("lfm2",) and c.get("block_auto_adjust_ff_dim"):
         width = int(2 * width / 3)
         if c.get("block_ffn_dim_multiplier") is not None:
@@ -289,6 +343,9 @@ def _is_moe_layer(c: dict, mt: str | None, i: int, kind: str) -> bool:
     """Whether layer i's MLP is a mixture of experts (a layer that has an MLP at all)."""
     if mt == "nemotron_h":
         return kind == "moe"
+    if mt == "llama4_text":  # `moe_layers`, else every `interleave_moe_layer_step`-th layer
+        step = int(c.get("interleave_moe_layer_step") or 1)
+        return i in c["moe_layers"] if c.get("moe_layers") is not None else (i + 1) % step == 0
     if c.get("expert_layer_period"):  # Jamba
         return i % int(c["expert_layer_period"]) == int(c.get("expert_layer_offset") or 0)
     if c.get("mlp_only_layers") and i in c["mlp_only_layers"]:

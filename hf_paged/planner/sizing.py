@@ -9,11 +9,13 @@ KV bytes per token (every layer that keeps K/V, K and V):
     MLA (DeepSeek-V2/V3): num_kv_layers * (kv_lora_rank + qk_rope_head_dim) * bytes_per_element
                          (one compressed latent plus the shared rope key per layer, not x2)
 
-A sliding-window layer keeps at most `sliding_window` tokens (a chunked-attention layer its chunk), and
+Each layer's spec (`kv_spec`, the cache's own definition) says what it keeps: a sliding-window layer
+at most `sliding_window` tokens, a chunked-attention layer (Llama 4) at most its chunk, a layer that
+reuses another layer's K/V (Gemma 3n/4) none, each by its own K/V shape (Gemma 4's full layers differ);
 a linear-attention, Mamba or short-convolution layer keeps no K/V but a fixed state per sequence
 (`layers`), so for a sequence of `seq_len` tokens
 
-    kv_bytes = batch * (sum over K/V layers of min(seq_len, window_of_layer) * layer_bytes_per_token
+    kv_bytes = batch * (sum over K/V layers of min(seq_len, tokens_kept_by_layer) * layer_bytes_per_token
                         + state_bytes_per_seq)
 
 Decode roofline (one step: every sequence of the batch produces one token):
@@ -37,7 +39,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .configs import REFERENCE_CONFIG_DIR, load_config, reference_config_names
 from .kv import (KVSize, attention_variants, compare_kv, kv_bytes, kv_bytes_per_layer_token, kv_bytes_per_token,
-                 kv_scale_bytes_per_token, kv_size)
+                 kv_scale_bytes_per_token, kv_size, tokens_held)
 from .plan import Plan, TPOption, WeightsDoNotFit, plan, smallest_fit, tp_options, tp_sizes
 from .shape import DTYPE_NAMES, GB, GiB, ModelShape, check_positive, dtype_bytes, dtype_spec, weight_bytes
 
@@ -108,14 +110,19 @@ def weight_bytes_read(shape: ModelShape, batch_size: int, weight_dtype: str = "b
 
 
 def attention_flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """FLOPs of QK^T and PV for one new token attending to `seq_len` cached tokens, all layers.
-    MLA is counted in its absorbed decode form (scores over kv_lora_rank + rope, values over kv_lora_rank)."""
-    tokens = sum(seq_len if w is None else min(seq_len, w) for w in shape.kv_layer_windows)
-    if shape.is_mla:
-        width = 2 * shape.kv_lora_rank + shape.qk_rope_head_dim
-    else:
-        width = shape.head_dim + shape.v_head_dim
-    return 2 * shape.num_attention_heads * width * tokens
+    """FLOPs of QK^T and PV for one new token attending to `seq_len` cached tokens, all layers (a
+    window or chunk caps a layer's tokens; a layer reusing another's K/V attends all the same), each
+    by its own head size. MLA is counted in its absorbed decode form (scores over kv_lora_rank + rope,
+    values over kv_lora_rank)."""
+    flops = 0
+    for spec in shape.kv_layer_specs:
+        own = spec.reads if not spec.owns_kv else spec
+        if shape.is_mla:
+            width = 2 * shape.kv_lora_rank + shape.qk_rope_head_dim
+        else:
+            width = own.shape.head_dim + own.shape.head_dim_v
+        flops += 2 * shape.num_attention_heads * width * tokens_held(own, seq_len)
+    return flops
 
 
 @dataclass(frozen=True)

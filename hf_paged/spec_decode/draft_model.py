@@ -113,6 +113,9 @@ def _config_for_layers_present(model: torch.nn.Module):
         return model.config
     config = copy.deepcopy(model.config)
     text = config.get_text_config(decoder=True)
+    shared = getattr(text, "num_kv_shared_layers", 0) or 0
+    if shared:  # the layers kept that reuse K/V still do (the first reusing layer is where it was)
+        text.num_kv_shared_layers = max(0, len(layers) - (text.num_hidden_layers - shared))
     text.num_hidden_layers = len(layers)
     if getattr(text, "layer_types", None):
         text.layer_types = list(text.layer_types[: len(layers)])

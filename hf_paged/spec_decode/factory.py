@@ -2,7 +2,8 @@
 
 Owns the mapping from user-facing options (`draft_model=`, `speculative_method=`,
 `num_speculative_tokens=`, the n-gram sizes) to one proposer; the engine only calls its
-`propose` / `free`.
+`propose` / `free`. A Gemma 4 assistant as `draft_model` (a drafter that reads the target's K/V) gives
+a `SharedKVDrafterProposer`; any other draft model a `DraftModelProposer` with its own pool.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from ..config import MAX_SPECULATIVE_TOKENS, PagedCacheConfig
 from ..hf import check_model_supported
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
+from .shared_kv_drafter import SharedKVDrafterProposer, is_shared_kv_drafter
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 5
 SPECULATIVE_METHODS = ("draft_model", "ngram")
@@ -20,9 +22,11 @@ SPECULATIVE_METHODS = ("draft_model", "ngram")
 
 def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, num_tokens: int | None,
                   lookup_min: int, lookup_max: int, target_num_blocks: int, max_num_seqs: int,
-                  block_size: int, kv_cache_config: PagedCacheConfig | None = None):
+                  block_size: int, kv_cache_config: PagedCacheConfig | None = None,
+                  target_model: torch.nn.Module | None = None, target_kv=None):
     """Returns `(proposer or None, num_speculative_tokens)`. A draft model's own KV pool stores K/V as
-    the target's does (`kv_cache_config`'s dtype, quantisation scheme and rotation).
+    the target's does (`kv_cache_config`'s dtype, quantisation scheme and rotation). A Gemma 4
+    assistant has no pool: it reads `target_kv` (the target's `KVOwner`) and `target_model`'s embeddings.
 
     Raises:
         ValueError: inconsistent or out-of-range options, naming the one at fault.
@@ -44,6 +48,11 @@ def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, nu
         return NgramProposer(lookup_min, lookup_max), num_tokens
     if draft_model is None:
         raise ValueError("speculative_method='draft_model' needs draft_model=")
+    if is_shared_kv_drafter(draft_model):
+        if target_model is None or target_kv is None:
+            raise ValueError(f"a Gemma 4 assistant ({type(draft_model).__name__}) drafts from its target's K/V: "
+                             "make_proposer needs target_model= and target_kv=")
+        return SharedKVDrafterProposer(draft_model, target_model, target_kv), num_tokens
     check_model_supported(draft_model.config)
     # As many tokens as the target's pool, plus room for each running request's drafts.
     blocks = target_num_blocks + max_num_seqs * -(-num_tokens // block_size)

@@ -8,19 +8,28 @@ state). Plain data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+from ..core import KVSequence
 from ..worker.sampling import SamplingState
 
 
 @dataclass
 class ProposalRequest:
     """What a proposer sees of one request: its id, committed tokens (prompt + outputs), how many
-    tokens to draft, and its sampling state (a model proposer samples with its keyed noise)."""
+    tokens to draft, and its sampling state (a model proposer samples with its keyed noise).
+
+    A proposer that reads the target (`needs_hidden_states`, as `SharedKVDrafterProposer`) also gets
+    the request's `KVSequence` in the target's pool (`seq`: the K/V of every committed token but the
+    last) and the target's final hidden state at the position that produced the last committed token
+    (`hidden_state`, [hidden]; None when the engine has none for the current tokens)."""
 
     request_id: str
     token_ids: list[int]
     num_tokens: int
     state: SamplingState
+    seq: KVSequence | None = None
+    hidden_state: Any = None
 
 
 @dataclass

@@ -55,10 +55,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..attention import backend as backends
 from ..attention import dispatch
 from ..attention.metadata import PAGED, StepMetadata, block_table_array
 from ..hf import KVOwner
 from ..hf.rope import has_length_rope
+from ..hf.support import layer_specs_of
 from ..hf.weights import VERSION_ATTR
 
 logger = logging.getLogger(__name__)
@@ -338,9 +340,11 @@ class GraphCaptureError(RuntimeError):
     """Capturing a decode graph failed; the runner falls back to eager steps."""
 
 
-def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torch.device) -> bool:
+def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torch.device,
+                      attention_backend: str | None = None) -> bool:
     """Resolve the Engine's `cuda_graphs` argument: None means on where graphs can run (a CUDA device
-    with the Triton backend, a model without dynamic RoPE), off elsewhere.
+    with the Triton backend, a model without dynamic RoPE), off elsewhere. `attention_backend`: the
+    engine's explicit choice (None: `HF_PAGED_BACKEND`, else auto).
 
     Raises:
         ValueError: `enabled` is True where graphs cannot run, naming why.
@@ -348,15 +352,28 @@ def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torc
     reason = None
     if device.type != "cuda":
         reason = f"CUDA graphs need a CUDA device; the model is on {device}"
-    elif dispatch.backend(device) != "triton":
+    elif dispatch.backend(device, attention_backend) != "triton":
         reason = ("CUDA graphs need the Triton attention backend (the torch backend reads step metadata on the "
-                  "host); unset HF_PAGED_BACKEND=torch")
+                  "host); leave attention_backend / HF_PAGED_BACKEND at auto or triton")
+    elif (widest := _widest_head(model)) > (limit := backends.backends()["triton"].capabilities.max_head_dim or widest):
+        reason = (f"CUDA graphs need every layer on the Triton kernels, which take heads up to {limit} wide; this "
+                  f"model has {widest}-wide K/V heads (those layers run on the torch path, which reads step "
+                  "metadata on the host)")
     elif has_length_rope(model.config):
         reason = ("CUDA graphs cannot capture length-dependent RoPE (dynamic NTK, longrope: each sequence's "
                   "frequencies are chosen on the host per step)")
     if reason is not None and enabled:
         raise ValueError(f"cuda_graphs=True: {reason}")
     return reason is None if enabled is None else bool(enabled)
+
+
+def _widest_head(model: torch.nn.Module) -> int:
+    """The widest K or V head of any layer the config describes (0 when it says none)."""
+    try:
+        specs = layer_specs_of(model.config)
+    except ValueError:
+        return 0
+    return max((max(s.shape.head_dim, s.shape.head_dim_v) for s in specs if s.shape is not None), default=0)
 
 
 # ---------------------------------------------------------------------- the graphs
@@ -453,7 +470,7 @@ class DecodeGraphs:
 
         self.inputs.fill(layout, DecodeBatch.empty(self.num_groups))  # every row padding: nothing is written
         forward()  # warm-up, eagerly: Triton compiles (and autotunes) here, lazily built state is built
-        if not all(layer.is_initialized for layer in self.kv.layers):
+        if not all(layer.is_initialized for layer in self.kv.storage_layers):
             raise RuntimeError("the warm-up left KV layers unallocated; a capture would allocate them in its pool")
         return _Graph(self.capture(forward), layout, meta)
 
@@ -461,7 +478,6 @@ class DecodeGraphs:
         """The step every replay of `key` runs: fixed host values, tensors that are the static views."""
         many = self.num_groups > 1
         layout = self.kv.group_layout()
-        windows = layout["group_windows"]
         return StepMetadata(
             mode=PAGED, batch_size=1, q_len=key.batch_size, num_columns=0,
             cu_seqlens_q=inputs.cu_seqlens_q, seq_lens=inputs.seq_lens,
@@ -473,7 +489,7 @@ class DecodeGraphs:
             group_block_tables=inputs.block_tables if many else (),
             group_slot_mapping=inputs.slot_mapping if many else (),
             layer_group=tuple(layout["layer_group"]) if many else None,
-            group_windows=tuple(windows) if windows is not None else None,
+            group_masks=layout["group_masks"], layer_masks=layout["layer_masks"], layer_source=layout["layer_source"],
         )
 
     def _drop_if_moved(self) -> None:
@@ -499,7 +515,7 @@ class DecodeGraphs:
         or merging an adapter changes the forward's Python path without moving any memory."""
         model = self.model
         tensors = tuple((t.data_ptr(), t.dtype, tuple(t.shape)) for t in (*model.parameters(), *model.buffers()))
-        kv = tuple(t.data_ptr() for layer in self.kv.layers if layer.is_initialized
+        kv = tuple(t.data_ptr() for layer in self.kv.storage_layers if layer.is_initialized
                    for t in (layer.keys, layer.values))
         modules = list(model.modules())
         invalidations = sum(m.__dict__.get(VERSION_ATTR, 0) for m in modules)

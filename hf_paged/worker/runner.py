@@ -114,6 +114,11 @@ class ModelRunner:
         # (for a replay: filling the static inputs, and the replay, plus any capture it needed).
         self.last_metadata_seconds = 0.0
         self.last_model_seconds = 0.0
+        # The decoder's final hidden state at each logits row of the latest forward ([len(keep), hidden]),
+        # kept only once `keep_hidden_states()` asked for it (a proposer that drafts from them).
+        self.last_hidden_states: torch.Tensor | None = None
+        self._hidden_source: torch.nn.Module | None = None  # the decoder whose output is read, once asked
+        self._step_hidden: torch.Tensor | None = None
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int], max_seqlens: Sequence[int], capture=None) -> DecodeGraphs:
         """Replay decode steps from graphs captured for these buckets (`cuda_graphs.batch_size_buckets`,
@@ -122,6 +127,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self._graph_forward, self.model, self.kv, self.device, batch_sizes,
                                    max_seqlens, capture)
         return self.graphs
+
+    def keep_hidden_states(self) -> None:
+        """From now on, keep the decoder's final (normed) hidden state at every logits row of each forward
+        in `last_hidden_states` (what stock's `output_hidden_states[-1]` holds there), read by a forward
+        hook on the decoder held for the model call only. Decode steps then run eagerly: a replayed
+        graph would not run the hook."""
+        self._hidden_source = decoder_of(self.model)
+        self.graphs = None
+
+    def _read_hidden(self, module, args, output) -> None:
+        hidden = getattr(output, "last_hidden_state", None)
+        self._step_hidden = hidden if hidden is not None else output[0]
 
     def forward(self, chunks: list[Chunk], copies: list[tuple[int, int]],
                 new_full_blocks: list[tuple[int, int]] = ()) -> torch.Tensor:
@@ -137,6 +154,7 @@ class ModelRunner:
         key = None
         placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
         rope = any(c.images is not None and c.images.mrope is not None for c in chunks)  # Qwen-VL's 3-D positions
+        self.last_hidden_states = None
         if self.graphs is not None and not copies and not placed and not rope and self.length_rope is None and all(
                 len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
@@ -228,12 +246,21 @@ class ModelRunner:
     def _call_model(self, ids: torch.Tensor, pos: torch.Tensor, keep_index: torch.Tensor,
                     meta: StepMetadata, embeds: torch.Tensor | None = None) -> torch.Tensor:  # [len(keep_index), vocab]
         inputs = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
-        with torch.inference_mode(), fast_linear():
-            out = self.model(**inputs, position_ids=pos, use_cache=True, paged_metadata=meta,
-                             logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
+        hook = self._hidden_source.register_forward_hook(self._read_hidden) if self._hidden_source is not None else None
+        try:
+            with torch.inference_mode(), fast_linear():
+                out = self.model(**inputs, position_ids=pos, use_cache=True, paged_metadata=meta,
+                                 logits_to_keep=keep_index, **{self._cache_kwarg: self.cache})
+        finally:
+            if hook is not None:
+                hook.remove()
         logits = out.logits[0]
         if logits.shape[0] != keep_index.shape[0]:  # a model that ignores logits_to_keep (VideoLLaMA 3): every row
             logits = logits.index_select(0, keep_index)
+        if self._hidden_source is not None:
+            hidden, self._step_hidden = self._step_hidden, None
+            if hidden is not None and hidden.shape[1] == ids.shape[-1]:  # [1, num_tokens, hidden]
+                self.last_hidden_states = hidden[0].index_select(0, keep_index)
         return logits
 
     @staticmethod

@@ -15,7 +15,7 @@ import hf_paged.integrations.batch_generate as batch_generate
 from hf_paged import Engine, SamplingParams
 from hf_paged.core import BlockManager, BlockPool
 from hf_paged.config import EngineConfig, kv_layout
-from hf_paged.hf.support import layer_windows_of
+from hf_paged.hf.support import layer_specs_of
 from tiny_models import CONFIGS, STOCK_ATTN, VOCAB, left_padded_batch, stock_greedy, tiny_model
 from tiny_models import CharTokenizer as _CharTokenizer
 
@@ -54,7 +54,7 @@ def test_parity_with_stock_per_prompt(arch):
     model = tiny_model(arch, "hf_paged")
     # A block holds one layer per KV group here (sliding and full layers have their own tables):
     # the same bytes are that many more blocks.
-    layout = kv_layout(layer_windows_of(model.config))
+    layout = kv_layout(layer_specs_of(model.config))
     for name, kwargs in ENGINE_SETUPS.items():
         if "num_blocks" in kwargs:
             kwargs = {**kwargs, "num_blocks": kwargs["num_blocks"] * len(layout.groups)}
@@ -250,6 +250,22 @@ def test_engine_config_errors():
     with pytest.raises(ValueError, match="one per prompt"):
         engine.generate([[5], [6]], [SamplingParams()] * 3)
 
+
+
+def test_attention_backend_option_wins_over_the_environment(monkeypatch):
+    """`Engine(attention_backend=...)` picks the backend every step runs first, over HF_PAGED_BACKEND;
+    an unknown name is refused before anything runs; the outputs stay stock's."""
+    prompts = _prompts([9, 30])
+    stock = _stock("llama", prompts, max_new_tokens=4, min_new_tokens=4)
+    model = tiny_model("llama", "hf_paged")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        Engine(model, attention_backend="cuda-magic")
+    monkeypatch.setenv("HF_PAGED_BACKEND", "cpu")
+    engine = Engine(model, attention_backend="torch")
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=4, min_new_tokens=4))
+    assert [o.token_ids for o in outs] == stock
+    assert engine.kv.step.plan.backend == "torch"
+    assert EngineConfig().attention_backend is None and "attention_backend" in EngineConfig().engine_kwargs()
 
 
 def test_engine_defaults_are_engine_configs():

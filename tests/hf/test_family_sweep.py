@@ -23,7 +23,10 @@ MUST = {
     "identical": ["llama", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "cohere", "cohere2", "olmo2",
                   "granite", "starcoder2", "gemma", "phi", "gpt2", "gpt_neox", "gptj", "smollm3", "opt",
                   "deepseek_v3", "moshi", "chameleon", "llava", "qwen2_vl", "qwen2_5_vl", "smolvlm", "paligemma", "gemma3",
-                  "phi3", "phimoe"],  # with longrope, crossing its threshold (issue 51)
+                  "phi3", "phimoe",  # with longrope, crossing its threshold (issue 51)
+                  # chunked attention; shared K/V across layers and per-layer K/V shapes (issue 54)
+                  "llama4", "llama4_text", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+                  "gemma4_unified_text"],
     "refused": ["mpt", "bloom", "xglm", "gpt_neox_japanese", "stablelm", "mllama", "falcon", "git",
                 "diffllama", "unlimited_ocr", "doge", "jetmoe", "idefics", "dory", "blip",
                 "phi4_multimodal"],  # longrope: stock feeds one token past the threshold (issue 51)

@@ -94,9 +94,9 @@ def test_batched_parity_through_each_cpu_backend(model_and_tokenizer, backend, m
     ref = _generate(model, inputs)
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     seen = []
-    real = dispatch._attend
-    monkeypatch.setattr(dispatch, "_attend", lambda *a: seen.append(a[-2].backend if a[-2] is not None else None)
-                        or real(*a))
+    real = dispatch.run
+    monkeypatch.setattr(dispatch, "run", lambda call, plan=None: seen.append(plan.backend if plan is not None else None)
+                        or real(call, plan))
     model.set_attn_implementation("hf_paged")
     try:
         out = _generate(model, inputs)

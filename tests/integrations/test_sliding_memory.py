@@ -17,7 +17,7 @@ from hf_paged import Engine, SamplingParams
 from hf_paged.config import blocks_held, kv_layout
 from hf_paged.core import BlockManager, BlockPool
 from hf_paged.hf.cache import PagedCache
-from hf_paged.hf.support import layer_windows_of
+from hf_paged.hf.support import layer_specs_of
 from tiny_models import (CONFIGS, STOCK_ATTN, VOCAB, cache_of, left_padded_batch, stock_greedy, tiny_model,
                          with_cache)
 
@@ -27,7 +27,7 @@ NEW = 40  # > 3x every window
 
 
 def _window(arch) -> int:
-    return max(w for w in layer_windows_of(CONFIGS[arch]()) if w is not None)
+    return max(s.mask.window for s in layer_specs_of(CONFIGS[arch]()) if s.mask.window is not None)
 
 
 def _prompts(lengths, seed=0, prefix=()):
@@ -86,7 +86,7 @@ def test_engine_chunked_prefill_and_preemption_match_stock(arch):
     stock = _stock(arch, prompts)
     model = tiny_model(arch, "hf_paged")
     # A pool a few blocks above what the longest request ever holds at once: requests must preempt.
-    tight = BlockManager(BlockPool(0), 4, kv_layout(layer_windows_of(model.config)).windows)
+    tight = BlockManager(BlockPool(0), 4, kv_layout(layer_specs_of(model.config)).windows)
     setups = {
         "chunked": dict(max_num_batched_tokens=window + 2, block_size=4),
         "preempting": dict(num_blocks=tight.max_blocks_for(max(map(len, prompts)) + NEW, 16) + 2, block_size=4,

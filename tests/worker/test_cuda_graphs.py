@@ -533,3 +533,25 @@ def test_cuda_graphs_on_smollm2_bf16():
     # bf16 through 30 layers of differently shaped GEMMs (a padded batch): loose, but a graph reading
     # the wrong keys or a wrong row would be far outside it.
     _assert_same(eager, graphed, atol=1.5, margin=1.0)
+
+
+def test_graphs_stay_off_for_heads_wider_than_the_triton_kernels_take(monkeypatch):
+    """Gemma 4's full layers keep 512-wide heads, past Triton's 256: those layers would run on the torch
+    path, which a graph capture refuses, so graphs are off (and cuda_graphs=True says why) rather than a
+    failed capture per engine. Asked as on a CUDA device (nothing runs)."""
+    import types
+
+    from transformers.models.gemma4 import Gemma4TextConfig
+
+    from hf_paged.worker.cuda_graphs import check_cuda_graphs
+
+    monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)
+    cuda = torch.device("cuda")
+    config = Gemma4TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                              head_dim=256, global_head_dim=512, num_attention_heads=2, num_key_value_heads=1)
+    assert check_cuda_graphs(None, types.SimpleNamespace(config=config), cuda) is False
+    with pytest.raises(ValueError, match="512-wide K/V heads"):
+        check_cuda_graphs(True, types.SimpleNamespace(config=config), cuda)
+    narrow = Gemma4TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                              head_dim=64, global_head_dim=128, num_attention_heads=2, num_key_value_heads=1)
+    assert check_cuda_graphs(None, types.SimpleNamespace(config=narrow), cuda) is True

@@ -8,8 +8,9 @@
    already loaded.
 
    The contract is `torch_paged.paged_attention`'s, for the sequences it is handed: query i of
-   sequence s sits at position seq_lens[s] - q_len[s] + i and sees key positions p <= pos, and with
-   a sliding window w only p > pos - w; softcap (softcap * tanh(x / softcap)) applies to the scaled
+   sequence s sits at position seq_lens[s] - q_len[s] + i and sees key positions p <= pos, with
+   a sliding window w only p > pos - w, and with a chunk C (Llama 4's local attention) only
+   p >= (pos / C) * C; softcap (softcap * tanh(x / softcap)) applies to the scaled
    scores; a sink adds exp(sink - max) to a head's denominator.
 
    Work is split into (sequence, key split) items over every head, so a block's K and then its V
@@ -148,7 +149,8 @@ int hf_paged_attention_f32(
     const int32_t *bt, int64_t bt_stride,                        /* [S, max_blocks] */
     const int32_t *seq_lens, const int32_t *cu_q,                /* [S], [S + 1]: query run s is q[cu_q[s]:cu_q[s+1]] */
     int S, int Hq, int Hkv, int D, int Dv, int BS,
-    float scale, int window, float softcap, const float *sinks,  /* window <= 0: none; softcap <= 0: none; sinks [Hq] or NULL */
+    float scale, int window, int chunk,                          /* window, chunk <= 0: none */
+    float softcap, const float *sinks,                           /* softcap <= 0: none; sinks [Hq] or NULL */
     int nsplit, int max_rows,                                    /* key splits per sequence; max_rows >= every q_len * Hq */
     float *part_ml, float *part_acc,                             /* [S, nsplit, 2, max_rows], [S, nsplit, max_rows, Dv] scratch */
     float *out, int nthreads)                                    /* [T, Hq, Dv] contiguous */
@@ -169,6 +171,7 @@ int hf_paged_attention_f32(
         const int first_pos = L - ql;
         int kstart = 0;
         if (window > 0) { kstart = first_pos - window + 1; if (kstart < 0) kstart = 0; }
+        if (chunk > 0 && first_pos / chunk * chunk > kstart) kstart = first_pos / chunk * chunk;
         const int nblk = (L + BS - 1) / BS, b0 = kstart / BS;
         const int per = (nblk - b0 + nsplit - 1) / nsplit;
         const int bs = b0 + sp * per;
@@ -190,6 +193,7 @@ int hf_paged_attention_f32(
             for (int i = 0; i < ql; i++) {
                 const int qp = first_pos + i;
                 int lo = window > 0 ? qp - window + 1 - t0 : 0;
+                if (chunk > 0 && qp / chunk * chunk - t0 > lo) lo = qp / chunk * chunk - t0;
                 if (lo < 0) lo = 0;
                 const int hi = qp + 1 - t0 < nt ? qp + 1 - t0 : nt;
                 if (hi <= lo) continue;

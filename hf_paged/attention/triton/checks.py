@@ -137,6 +137,7 @@ def check_attention_inputs(
     sinks: torch.Tensor | None,  # [num_q_heads]
     max_head_dim: int = 256,
     scales=None,  # kv_quant.KVScales of a quantised cache, or None
+    chunk_size: int | None = None,
 ) -> AttentionShapes:
     """Validate the `reference.paged_attention` contract for a Triton launcher named `kernel`.
 
@@ -190,6 +191,8 @@ def check_attention_inputs(
              f"max_seqlen_k={max_seqlen_k} (the block-table capacity)")
     if sliding_window is not None and sliding_window < 1:
         fail(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    if chunk_size is not None and chunk_size < 1:
+        fail(f"chunk_size must be >= 1 or None, got {chunk_size}")
     if softcap is not None and not softcap > 0:
         fail(f"softcap must be > 0 or None, got {softcap}")
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != num_q_heads or not sinks.is_floating_point()):

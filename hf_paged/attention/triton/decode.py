@@ -83,15 +83,19 @@ def _tanh(x):
 
 
 @triton.jit
-def _key_range(seq_len, q_len, q_start, window, Q_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
-               HAS_WINDOW: tl.constexpr):
-    """Keys [lo, hi) that the tile's queries q_start.. can see; lo is aligned down to BLOCK_N."""
+def _key_range(seq_len, q_len, q_start, window, chunk, Q_PER_TILE: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_WINDOW: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """Keys [lo, hi) that the tile's queries q_start.. can see; lo is aligned down to BLOCK_N. The
+    tile's first query has the lowest bound of the tile under both the window and the chunk."""
     first_pos = seq_len - q_len + q_start
     last_pos = seq_len - q_len + tl.minimum(q_len, q_start + Q_PER_TILE) - 1
     hi = last_pos + 1
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(first_pos - window + 1, 0)
+    if HAS_CHUNK:
+        lo = tl.maximum(lo, (first_pos // chunk) * chunk)
+    if HAS_WINDOW or HAS_CHUNK:
         lo = (lo // BLOCK_N) * BLOCK_N
     return lo, hi
 
@@ -126,6 +130,7 @@ def _paged_decode_kernel(
     scale,
     softcap,
     window,
+    chunk,  # Llama 4's local chunk C: key p visible iff p >= (pos // C) * C (read only if HAS_CHUNK)
     GROUP: tl.constexpr,  # query heads per KV head
     Q_PER_TILE: tl.constexpr,  # query tokens per program
     BLOCK_M: tl.constexpr,  # >= Q_PER_TILE * GROUP, power of two, >= 16
@@ -135,6 +140,7 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     NUM_SPLITS: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     IS_QUANTIZED: tl.constexpr,  # one-byte K/V payloads, dequantised with their scales on load
@@ -168,7 +174,7 @@ def _paged_decode_kernel(
         mask=row_valid[:, None] & dim_valid[None, :], other=0.0,
     )  # [BLOCK_M, BLOCK_D]
 
-    lo, hi = _key_range(seq_len, q_len, q_start, window, Q_PER_TILE, BLOCK_N, HAS_WINDOW)
+    lo, hi = _key_range(seq_len, q_len, q_start, window, chunk, Q_PER_TILE, BLOCK_N, HAS_WINDOW, HAS_CHUNK)
     tiles_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), NUM_SPLITS)
     split_lo = lo + split * tiles_per_split * BLOCK_N
     split_hi = tl.minimum(hi, split_lo + tiles_per_split * BLOCK_N)
@@ -214,6 +220,8 @@ def _paged_decode_kernel(
         allowed = k_valid[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
         if HAS_WINDOW:
             allowed &= k_pos[None, :] > q_pos[:, None] - window
+        if HAS_CHUNK:
+            allowed &= k_pos[None, :] >= (q_pos[:, None] // chunk) * chunk
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -384,18 +392,22 @@ def default_num_splits(
     max_seqlen_k: int,
     device: torch.device,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
 ) -> int:
     """Splits of the key axis for `paged_decode` when the caller passes none.
 
     Aims for about two programs per SM: the pass-1 grid without splits is
     `num_seqs * num_q_tiles * num_kv_heads`, and the longest context is cut into more splits until
     that target is reached, but never into splits of fewer than _MIN_KEYS_PER_SPLIT keys (a sliding
-    window caps the keys a query reads) and never more than _MAX_SPLITS. Depends on host ints only,
-    so it is stable across a CUDA graph's replays with the same shapes.
+    window or a local chunk caps the keys a query tile reads) and never more than _MAX_SPLITS.
+    Depends on host ints only, so it is stable across a CUDA graph's replays with the same shapes.
     """
     q_per_tile, _ = _query_tiling(max(max_seqlen_q, 1), num_q_heads // max(num_kv_heads, 1), _block_d(head_dim))
     programs = max(1, num_seqs * triton.cdiv(max(max_seqlen_q, 1), q_per_tile) * num_kv_heads)
-    keys = max_seqlen_k if sliding_window is None else min(max_seqlen_k, sliding_window + q_per_tile - 1)
+    keys = max_seqlen_k
+    for bound in (sliding_window, chunk_size):
+        if bound is not None:
+            keys = min(keys, bound + q_per_tile - 1)
     wanted = triton.cdiv(2 * _num_sms(device), programs)
     useful = triton.cdiv(max(keys, 1), _MIN_KEYS_PER_SPLIT)
     return max(1, min(wanted, useful, _MAX_SPLITS))
@@ -447,6 +459,7 @@ def plan_decode(
     num_splits: int | None = None,
     config: triton.Config | None = None,
     workspace=None,  # a `workspace.Workspace` for the split-K partials; None allocates them
+    chunk_size: int | None = None,
 ) -> DecodePlan:
     """Plan `paged_decode` launches of one shape: the query tiling, the split count
     (`default_num_splits` unless given), the launch configuration (given, settled, recorded or the
@@ -463,7 +476,7 @@ def plan_decode(
     q_per_tile, block_m = _query_tiling(max_seqlen_q, group, block_wide)
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_kv_heads, num_q_heads, max(head_dim, head_dim_v),
-                                        max_seqlen_q, max_seqlen_k, device, sliding_window)
+                                        max_seqlen_q, max_seqlen_k, device, sliding_window, chunk_size)
     num_splits = int(num_splits)
     key = tuning_key(device, head_dim, head_dim_v, group, block_size, dtype, kv_dtype, max_seqlen_q)
     if config is None:
@@ -502,11 +515,13 @@ def paged_decode(
     scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
     config: triton.Config | None = None,
     plan: DecodePlan | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Causal attention of each sequence's few new queries over its paged K/V, split along the keys.
 
     Same semantics as `reference.paged_attention` (query `i` of sequence `b` sits at position
-    `seq_lens[b] - q_len[b] + i`; sliding window keeps keys `p > pos - w`; softcap applies to the
+    `seq_lens[b] - q_len[b] + i`; sliding window keeps keys `p > pos - w`; a chunk `C` keeps keys
+    `p >= (pos // C) * C`, both bounds when both are given; softcap applies to the
     scaled scores before masking; a sink is one extra per-head logit in the softmax denominator;
     sequences with q_len 0 are allowed; this step's K/V must already be in the cache). Built for
     `max_seqlen_q` up to ~16 (decode, speculative verify); longer query runs are tiled and stay
@@ -522,6 +537,7 @@ def paged_decode(
         seq_lens: `[num_seqs]` int32. cu_seqlens_q: `[num_seqs + 1]` int32.
         max_seqlen_q, max_seqlen_k: host-side upper bounds of the query and key lengths.
         scale: softmax scale. sliding_window: window `w >= 1` or None. softcap: `> 0` or None.
+        chunk_size: local-attention chunk `C >= 1` (Llama 4) or None.
         sinks: `[num_q_heads]` sink logits (any float dtype) or None.
         num_splits: splits of the key axis; None picks `default_num_splits`.
         scales: a quantised cache's `kv_quant.KVScales` (`.key` / `.value` `[num_blocks, block_size, G, 1]`
@@ -538,7 +554,8 @@ def paged_decode(
         `[num_tokens, num_q_heads, head_dim_v]` in query's dtype.
     """
     shapes = check_attention_inputs("paged_decode", query, key_cache, value_cache, block_tables, seq_lens,
-                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
+                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales,
+                                    chunk_size=chunk_size)
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
@@ -553,7 +570,7 @@ def paged_decode(
                            num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v, block_size=block_size,
                            dtype=query.dtype, kv_dtype=key_cache.dtype, max_seqlen_q=max_seqlen_q,
                            max_seqlen_k=max_seqlen_k, device=query.device, sliding_window=sliding_window,
-                           num_splits=num_splits, config=config)
+                           num_splits=num_splits, config=config, chunk_size=chunk_size)
     elif num_splits is not None or config is not None:
         raise ValueError("paged_decode: pass num_splits and config to plan_decode, not with a plan")
     elif plan.shape != (num_tokens, num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size):
@@ -592,6 +609,7 @@ def paged_decode(
             float(scale),
             float(softcap) if softcap is not None else 1.0,
             int(sliding_window) if sliding_window is not None else 0,
+            int(chunk_size) if chunk_size is not None else 1,
             GROUP=group,
             Q_PER_TILE=q_per_tile,
             BLOCK_M=block_m,
@@ -601,6 +619,7 @@ def paged_decode(
             BLOCK_SIZE=block_size,
             NUM_SPLITS=num_splits,
             HAS_WINDOW=sliding_window is not None,
+            HAS_CHUNK=chunk_size is not None,
             HAS_SOFTCAP=softcap is not None,
             HAS_SINKS=sinks is not None,
             IS_QUANTIZED=scales is not None,

@@ -26,8 +26,9 @@ Work split (one program = one query tile x one KV head):
 * Each program loops over key tiles of BLOCK_N positions, gathering the rows through the block
   table (per-position block lookup, so any block_size works, 1 included), with an fp32 online
   softmax in the log2 domain. Key tiles that are fully masked are never visited: the loop stops
-  at the tile's last query position (causal end) and, with a sliding window, starts at the tile
-  holding the first position the earliest query of the tile can still see.
+  at the tile's last query position (causal end) and, with a sliding window or a local chunk
+  (Llama 4: keys from `(pos // C) * C` on), starts at the tile holding the first position the
+  earliest query of the tile can still see.
 * K/V tiles are cast to the query's dtype as they are loaded (a 16-bit cache under an fp32 query).
   V may be narrower or wider than Q/K (`head_dim_v`, BLOCK_DV): the accumulator and the output
   have V's width.
@@ -121,6 +122,7 @@ def _flash_prefill_kernel(
     scale,  # float: softmax scale on q.k
     softcap,  # float: cap (read only if HAS_SOFTCAP)
     sliding_window,  # int: window w, key p visible iff p > pos - w (read only if HAS_WINDOW)
+    chunk_size,  # int: chunk C, key p visible iff p >= (pos // C) * C (read only if HAS_CHUNK)
     block_size,
     head_dim,
     head_dim_v,
@@ -139,6 +141,7 @@ def _flash_prefill_kernel(
     BLOCK_D: tl.constexpr,  # head_dim padded to a power of two >= 16
     BLOCK_DV: tl.constexpr,  # head_dim_v padded to a power of two >= 16
     HAS_WINDOW: tl.constexpr,
+    HAS_CHUNK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     IS_QUANTIZED: tl.constexpr,  # one-byte K/V payloads, dequantised with their scales on load
@@ -188,6 +191,9 @@ def _flash_prefill_kernel(
     kv_start = 0
     if HAS_WINDOW:
         kv_start = tl.maximum(context_len + tile_q_start - sliding_window + 1, 0)
+    if HAS_CHUNK:  # the tile's first query starts the earliest chunk any row of the tile reads
+        kv_start = tl.maximum(kv_start, ((context_len + tile_q_start) // chunk_size) * chunk_size)
+    if HAS_WINDOW or HAS_CHUNK:
         kv_start = (kv_start // BLOCK_N) * BLOCK_N
 
     offs_n = tl.arange(0, BLOCK_N)
@@ -218,6 +224,8 @@ def _flash_prefill_kernel(
         allowed = k_pos[None, :] <= q_pos[:, None]
         if HAS_WINDOW:
             allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        if HAS_CHUNK:
+            allowed = allowed & (k_pos[None, :] >= (q_pos[:, None] // chunk_size) * chunk_size)
         s = tl.where(allowed, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -395,6 +403,7 @@ def flash_prefill(
     scales=None,  # kv_quant.KVScales of a quantised (int8 / fp8) cache, or None
     config: triton.Config | None = None,
     plan: PrefillPlan | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim_v]
     """Varlen causal flash attention over the paged KV cache; see `reference.paged_attention`.
 
@@ -412,6 +421,8 @@ def flash_prefill(
             correct, just slower). max_seqlen_k: only checked against the block-table capacity.
         scale: factor on `q . k` before softcap and softmax.
         sliding_window: `w >= 1`; a query at `pos` sees keys `pos - w < p <= pos`.
+        chunk_size: `C >= 1` (Llama 4's local attention); a query at `pos` sees keys
+            `(pos // C) * C <= p <= pos` (with a window too, both bounds).
         softcap: `c > 0`; scores become `c * tanh(s / c)` before masking.
         sinks: per-query-head logit added to the softmax denominator only.
         scales: a quantised cache's `kv_quant.KVScales` (`.key` / `.value` `[num_blocks, block_size, G, 1]`
@@ -428,7 +439,8 @@ def flash_prefill(
         `[num_tokens, num_q_heads, head_dim_v]` in `query`'s dtype.
     """
     shapes = check_attention_inputs("flash_prefill", query, key_cache, value_cache, block_tables, seq_lens,
-                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales)
+                                    cu_seqlens_q, max_seqlen_k, sliding_window, softcap, sinks, scales=scales,
+                                    chunk_size=chunk_size)
     num_tokens, num_q_heads, head_dim = shapes.num_tokens, shapes.num_q_heads, shapes.head_dim
     num_seqs, block_size, num_kv_heads = shapes.num_seqs, shapes.block_size, shapes.num_kv_heads
     head_dim_v = shapes.head_dim_v
@@ -462,6 +474,7 @@ def flash_prefill(
             sinks if sinks is not None else out,  # dummy pointer, never read
             num_seqs, num_tokens, float(scale), float(softcap) if softcap is not None else 1.0,
             int(sliding_window) if sliding_window is not None else 0,
+            int(chunk_size) if chunk_size is not None else 1,
             block_size, head_dim, head_dim_v,
             out.stride(0), out.stride(1),
             query.stride(0), query.stride(1),
@@ -471,7 +484,8 @@ def flash_prefill(
             block_tables.stride(0),
             sinks.stride(0) if sinks is not None else 0,
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+            HAS_WINDOW=sliding_window is not None, HAS_CHUNK=chunk_size is not None, HAS_SOFTCAP=softcap is not None,
+            HAS_SINKS=sinks is not None,
             IS_QUANTIZED=scales is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
             num_warps=num_warps,

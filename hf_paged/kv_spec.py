@@ -1,0 +1,382 @@
+"""Layer kinds as specs: one object per decoder layer says what its K/V costs and which of it a query
+that can still come may read. Torch-free, like `config`: the block manager, the scheduler, the
+planner (`kv-size`, `plan`) and the cache all count with these answers, so adding a layer kind is one
+spec here and one mask rule per attention backend (`attention.backend`).
+
+vLLM keeps the same idea in `kv_cache_interface.py` (FullAttentionSpec, SlidingWindowSpec,
+ChunkedLocalAttentionSpec, MambaSpec, one manager per spec type); ours also serves the drop-in
+`Cache` path, and derives every spec from the model's config alone (`layer_specs`).
+
+The one equation each kind differs by is the first key a future query may read. With `n` tokens stored
+and the next query at position >= n - lookback (lookback: tokens a step may roll back, e.g. rejected
+speculative drafts):
+
+    full attention           0
+    sliding window w         max(0, n - lookback - w + 1)        a query at p reads p - w + 1 .. p
+    chunked local, chunk C   ((n - lookback) // C) * C           a query at p reads (p // C) * C .. p
+
+Every leading block whose tokens all lie before that position is freed; a prefix-cache hit of k tokens
+needs the cached blocks from `first_readable(k) // block_size` on (all of them for full attention).
+While a step writes `c` tokens, a sliding or chunked layer holds at most `w - 1 + c + lookback` (C - 1
++ ...) tokens, plus one block for alignment.
+
+A layer that reads another layer's K/V (Gemma 3n's and Gemma 4's "reuse" layers) is a `SharedKV`: it
+owns no blocks and no storage and costs nothing; its mask is its own kind's, its K/V its source's.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+CHUNKED = "chunked_attention"
+# The decoder layer types (transformers' `layer_types` names) a paged cache serves.
+LAYER_KINDS = (FULL, SLIDING, CHUNKED)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The K/V a layer stores per token, on one tensor-parallel rank."""
+
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+
+    def __post_init__(self):
+        for name in ("num_kv_heads", "head_dim", "head_dim_v"):
+            _check_positive(name, getattr(self, name))
+
+    @property
+    def elements_per_token(self) -> int:
+        """K and V elements one token costs in this layer."""
+        return self.num_kv_heads * (self.head_dim + self.head_dim_v)
+
+
+@dataclass(frozen=True)
+class MaskRule:
+    """What attention applies on top of causality (the one definition the specs and the attention
+    backends share): key j is visible to query p iff j <= p and j >= `lower_bound(p)`. Positions are
+    per-sequence positions of real tokens (left padding is not a position).
+
+    Attributes:
+        window: a sliding window w >= 1 (key j visible iff j > p - w), or None.
+        chunk: a local-attention chunk C >= 1 (Llama 4: key j visible iff j >= (p // C) * C), or None.
+    """
+
+    window: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self):
+        for name, label in (("window", "sliding_window"), ("chunk", "chunk_size")):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                number = operator.index(value)  # ints, numpy and 0-d integer tensors; not floats or bools
+            except TypeError:
+                number = None
+            if number is None or isinstance(value, bool) or number < 1:
+                raise ValueError(f"{label} must be an int >= 1 or None, got {value!r}")
+            object.__setattr__(self, name, number)
+
+    @functools.cached_property
+    def kinds(self) -> frozenset[str]:
+        """The bounds in force ("window", "chunk"); empty for plain causal attention."""
+        return frozenset(name for name in ("window", "chunk") if getattr(self, name) is not None)
+
+    def lower_bound(self, position: int) -> int:
+        """The first key position a query at `position` reads."""
+        low = 0
+        if self.window is not None:
+            low = max(low, position - self.window + 1)
+        if self.chunk is not None:
+            low = max(low, (position // self.chunk) * self.chunk)
+        return low
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """A layer that keeps the K/V of every token it reads (full attention); the base of every kind.
+
+    Attributes:
+        shape: the K/V it stores per token, or None when only the states tell (the cache then
+            allocates from what the layer passes to `cache.update`).
+    """
+
+    shape: KVShape | None = None
+    kind = FULL
+
+    @property
+    def owns_kv(self) -> bool:
+        """Whether the layer stores K/V of its own (False: it reads another layer's)."""
+        return True
+
+    @property
+    def mask(self) -> MaskRule:
+        return MaskRule()
+
+    @property
+    def kv_elements_per_token(self) -> int | None:
+        """K and V elements one token costs in this layer's own storage (0: it stores none; None: the
+        shape is unknown)."""
+        if not self.owns_kv:
+            return 0
+        return None if self.shape is None else self.shape.elements_per_token
+
+    @property
+    def reach(self) -> int | None:
+        """The most tokens before a query's own that it reads (None: every token); what bounds the
+        tokens a layer of this kind holds."""
+        return None
+
+    def first_readable(self, num_tokens: int, lookback: int = 0) -> int:
+        """The earliest key position a query that can still come may read (see the module docstring)."""
+        check_counts(num_tokens=num_tokens, lookback=lookback)
+        return 0
+
+    def max_tokens_held(self, new_tokens: int, lookback: int = 0) -> int | None:
+        """The most tokens one sequence's table of this kind holds while a step writes `new_tokens`
+        (block rounding aside); None: every token (full attention)."""
+        return None if self.reach is None else self.reach + new_tokens + lookback
+
+    @property
+    def group_key(self) -> tuple:
+        """Layers with equal keys share one block table (`config.kv_layout`)."""
+        return (self.kind, self.mask, self.shape)
+
+
+@dataclass(frozen=True)
+class FullAttention(LayerSpec):
+    """Causal attention over every earlier token."""
+
+
+@dataclass(frozen=True)
+class SlidingWindow(LayerSpec):
+    """Causal attention over the last `window` tokens (the query's own included), transformers'
+    `sliding_window`."""
+
+    window: int = 0
+    kind = SLIDING
+
+    def __post_init__(self):
+        _check_positive("sliding window", self.window)
+
+    @property
+    def mask(self) -> MaskRule:
+        return MaskRule(window=self.window)
+
+    @property
+    def reach(self) -> int:
+        return self.window - 1
+
+    def first_readable(self, num_tokens: int, lookback: int = 0) -> int:
+        check_counts(num_tokens=num_tokens, lookback=lookback)
+        return max(0, num_tokens - lookback - self.window + 1)
+
+
+@dataclass(frozen=True)
+class ChunkedLocal(LayerSpec):
+    """Causal attention inside fixed chunks of `chunk` tokens (Llama 4's `attention_chunk_size`): a
+    query at p reads keys (p // chunk) * chunk .. p."""
+
+    chunk: int = 0
+    kind = CHUNKED
+
+    def __post_init__(self):
+        _check_positive("attention chunk size", self.chunk)
+
+    @property
+    def mask(self) -> MaskRule:
+        return MaskRule(chunk=self.chunk)
+
+    @property
+    def reach(self) -> int:
+        return self.chunk - 1
+
+    def first_readable(self, num_tokens: int, lookback: int = 0) -> int:
+        check_counts(num_tokens=num_tokens, lookback=lookback)
+        return ((num_tokens - lookback) // self.chunk) * self.chunk if num_tokens >= lookback else 0
+
+
+@dataclass(frozen=True)
+class SharedKV(LayerSpec):
+    """A layer that attends over layer `source`'s K/V and stores none (Gemma 3n/4 "reuse" layers).
+
+    Attributes:
+        source: the layer whose K/V it reads (a layer that owns K/V of the same kind).
+        reads: the layer's own spec as if it stored K/V: its mask.
+    """
+
+    source: int = 0
+    reads: LayerSpec = field(default_factory=FullAttention)
+    kind = "shared_kv"
+
+    @property
+    def owns_kv(self) -> bool:
+        return False
+
+    @property
+    def mask(self) -> MaskRule:
+        return self.reads.mask
+
+    @property
+    def reach(self) -> int | None:
+        return self.reads.reach
+
+    def __post_init__(self):
+        if isinstance(self.source, bool) or not isinstance(self.source, int) or self.source < 0:
+            raise ValueError(f"a shared-K/V layer's source must be a layer index >= 0, got {self.source!r}")
+        if not self.reads.owns_kv:
+            raise ValueError("a shared-K/V layer reads as a kind that stores K/V, not as another SharedKV")
+
+    def first_readable(self, num_tokens: int, lookback: int = 0) -> int:
+        return self.reads.first_readable(num_tokens, lookback)
+
+    def max_tokens_held(self, new_tokens: int, lookback: int = 0) -> int:
+        """Nothing: its source's group holds the tokens it reads."""
+        return 0
+
+
+def map_shapes(specs: Sequence[LayerSpec], fn) -> tuple[LayerSpec, ...]:
+    """`specs` with every K/V shape replaced by `fn(shape)` (a `SharedKV`'s own and its reads' alike):
+    a tensor-parallel rank's share of the heads, or a what-if head count."""
+    def one(spec: LayerSpec) -> LayerSpec:
+        shape = None if spec.shape is None else fn(spec.shape)
+        if isinstance(spec, SharedKV):
+            return replace(spec, shape=shape, reads=one(spec.reads))
+        return replace(spec, shape=shape)
+
+    return tuple(one(spec) for spec in specs)
+
+
+# ----------------------------------------------------------------------------------- from a config
+def layer_specs(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> tuple[LayerSpec, ...]:
+    """One spec per decoder layer of a text config given as a dict (a config's `to_dict()`, or the
+    planner's config.json), the way transformers' own caches and masks read it.
+
+    Reads `layer_types` (or Llama 4's `no_rope_layers` / `attention_chunk_size`, or a legacy
+    `sliding_window` that slides every layer), `sliding_window`, `attention_chunk_size`, Gemma 3n/4's
+    `num_kv_shared_layers` (the last layers reuse the K/V of the last earlier layer of their type),
+    and per-layer K/V shapes (`per_layer_config`, or Gemma 4's `global_head_dim` /
+    `num_global_key_value_heads` on full-attention layers).
+
+    Raises:
+        ValueError: a layer type outside `LAYER_KINDS`, a reuse layer with no source of its type, a
+            window or chunk that is not a positive integer, or a tensor-parallel size that does not
+            divide a layer's KV heads.
+    """
+    types = layer_types(config)
+    shapes = layer_shapes(config, len(types), tensor_parallel_size)
+    specs: list[LayerSpec] = []
+    for i, (kind, shape) in enumerate(zip(types, shapes)):
+        if kind == FULL:
+            specs.append(FullAttention(shape))
+        elif kind == SLIDING:
+            specs.append(SlidingWindow(shape, window=_int(config.get("sliding_window"), "sliding_window")))
+        elif kind == CHUNKED:
+            specs.append(ChunkedLocal(shape, chunk=_int(config.get("attention_chunk_size"), "attention_chunk_size")))
+        else:
+            raise ValueError(f"layer {i}: layer type {kind!r} is not one a paged cache serves {LAYER_KINDS}")
+    for i, source in enumerate(kv_sources(config, types)):
+        if source is not None:
+            specs[i] = SharedKV(specs[source].shape, source=source, reads=specs[i])
+    return tuple(specs)
+
+
+def layer_types(config: Mapping[str, Any]) -> list[str]:
+    """Per decoder layer, its transformers layer type (see `layer_specs`)."""
+    n = int(config.get("num_hidden_layers") or 0)
+    types = config.get("layer_types")
+    if types:
+        if n and len(types) != n:
+            raise ValueError(f"layer_types names {len(types)} layers, num_hidden_layers {n}")
+        return list(types)
+    interval = config.get("no_rope_layer_interval")
+    if config.get("attention_chunk_size") and (config.get("no_rope_layers") or interval):
+        # Llama 4 before layer_types: its RoPE layers are chunked, every `interval`-th (NoPE) layer full
+        rope = config.get("no_rope_layers") or [int((i + 1) % int(interval) != 0) for i in range(n)]
+        return [CHUNKED if r else FULL for r in rope]
+    if config.get("sliding_window") and config.get("use_sliding_window", True) is not False:
+        return [SLIDING] * n  # Mistral, Phi-3: every layer slides, as transformers' DynamicCache reads it
+    return [FULL] * n
+
+
+def kv_sources(config: Mapping[str, Any], types: Sequence[str]) -> list[int | None]:
+    """Per layer, the layer whose K/V it reuses (None: its own), by transformers' Gemma 3n/4 rule:
+    with `first = L - num_kv_shared_layers`, every layer i >= first reads the last layer j < first of
+    its own type."""
+    n = len(types)
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    if shared <= 0:
+        return [None] * n
+    if shared >= n:
+        # Every layer reuses: a drafter reading its target's K/V (Gemma 4 assistants), no source in this model.
+        raise ValueError(f"num_kv_shared_layers={shared} of {n} layers: no layer of this model stores K/V "
+                         "(an assistant reads its target's); it is served as a drafter, not alone")
+    first = n - shared
+    last_of: dict[str, int] = {}
+    for j in range(first):
+        last_of[types[j]] = j
+    sources: list[int | None] = [None] * n
+    for i in range(first, n):
+        if types[i] not in last_of:
+            raise ValueError(f"layer {i} ({types[i]}) reuses K/V, but no layer before {first} has that type")
+        sources[i] = last_of[types[i]]
+    return sources
+
+
+def layer_shapes(config: Mapping[str, Any], num_layers: int, tensor_parallel_size: int = 1) -> list[KVShape]:
+    """Per layer, the K/V shape on one of `tensor_parallel_size` ranks (transformers splits K/V
+    projections by head)."""
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or (int(config.get("hidden_size") or heads) // heads))
+    overrides = _per_layer_overrides(config, num_layers)
+    out = []
+    for i in range(num_layers):
+        o = overrides.get(i, {})
+        h = int(o.get("num_key_value_heads") or kv_heads)
+        d = int(o.get("head_dim") or head_dim)
+        if h % tensor_parallel_size or heads % tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the model's {heads} attention "
+                             f"heads and layer {i}'s {h} KV heads")
+        out.append(KVShape(h // tensor_parallel_size, d, d))
+    return out
+
+
+def _per_layer_overrides(config: Mapping[str, Any], num_layers: int) -> dict[int, dict]:
+    per_layer = config.get("per_layer_config")
+    if isinstance(per_layer, Mapping):
+        return {int(k): dict(v) for k, v in per_layer.items() if isinstance(v, Mapping) and str(k).isdigit()}
+    if config.get("global_head_dim") and config.get("layer_types"):  # Gemma 4 without its per_layer_config
+        o: dict[str, int] = {"head_dim": int(config["global_head_dim"])}
+        if config.get("num_global_key_value_heads") and config.get("attention_k_eq_v", True):
+            o["num_key_value_heads"] = int(config["num_global_key_value_heads"])
+        return {i: o for i, t in enumerate(config["layer_types"][:num_layers]) if t == FULL}
+    return {}
+
+
+def _int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer for this model's layer types, got {value!r}")
+    return value
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+_POSITIVE_COUNTS = ("block_size", "itemsize")  # counts that must be >= 1; every other count >= 0
+
+
+def check_counts(**counts: int) -> None:
+    """Raise ValueError naming a count that is not an integer >= 0 (>= 1 for a block size or itemsize)."""
+    for name, value in counts.items():
+        minimum = 1 if name in _POSITIVE_COUNTS else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
