@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, flag, default, help in Limits.flags():  # the request caps: one definition, in openai_protocol.Limits
         parser.add_argument(flag, dest=name, type=int, default=default,
                             help=help if default is None else f"{help} (default {default})")
-    EngineConfig.add_cli_args(parser, ["max_num_seqs", "num_blocks", "block_size"])  # one definition, too
+    EngineConfig.add_cli_args(parser, ["max_num_seqs", "num_blocks", "block_size", "attention_backend"])  # one definition
     parser.add_argument("--grace", type=float, default=30.0, help="seconds SIGTERM waits for in-flight requests")
     parser.add_argument("--num-prefill", type=int, default=None,
                         help="serve over disaggregated workers: prefill processes (default 1 with --num-decode)")
@@ -131,6 +131,11 @@ def prepare(argv: list[str] | None = None, disaggregated=None, tensor_parallel=N
         check_model_path(args.model)
     except (ModelPathError, ValueError) as exc:
         parser.error(str(exc))
+    if args.attention_backend is not None:
+        from ..attention.dispatch import choices
+
+        if args.attention_backend.lower() not in choices():
+            parser.error(f"--attention-backend must be one of {', '.join(choices())}, got {args.attention_backend!r}")
     places_itself = is_disaggregated or args.tensor_parallel_size > 1
     if places_itself and (args.device is not None or args.dtype != "auto"):
         parser.error("--tensor-parallel-size, --data-parallel-size and --num-prefill/--num-decode place the model "

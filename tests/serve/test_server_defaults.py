@@ -176,6 +176,7 @@ def nothing_loads(monkeypatch):
     (["default", "--device", "cuda:99"], "--device"),
     (["default", "--dtype", "float8"], "--dtype"),
     (["default", "--device", "cpu", "--tensor-parallel-size", "2"], "--device"),
+    (["default", "--attention-backend", "cuda-magic"], "--attention-backend"),
 ])
 def test_a_wrong_model_device_or_dtype_is_one_line_and_exit_2_before_loading(argv, named, capsys, nothing_loads):
     from hf_paged import parallel
