@@ -286,7 +286,29 @@ class IncrementalDetokenizer:
         is_complete = len(new_text) > len(self._prefix_text) and not new_text.endswith(REPLACEMENT_CHAR)
         if not is_complete and num_pending <= MAX_PENDING_TOKENS:
             return ""  # the bytes of a character are still arriving
+        if not is_complete:  # too long pending: show what no character split can change, keep the rest
+            return self._push(self._advance_to(self._last_whole_cut(new_text), new_text))
         return self._push(self._advance(new_text))
+
+    def _last_whole_cut(self, new_text: str) -> int:
+        """The last token boundary of the pending tokens whose decoded prefix is a prefix of `new_text`:
+        no character is split there. A '\ufffd' ending the text may be a real one (a token for U+FFFD)
+        or the bytes of an unfinished character; only the latter change once more tokens come."""
+        for cut in range(len(self._window) - 1, self._read_offset, -1):
+            if new_text.startswith(self._decode(self._window[:cut])):
+                return cut
+        return len(self._window)
+
+    def _advance_to(self, cut: int, new_text: str) -> str:
+        """Takes the text of the window's first `cut` tokens; the tokens after stay pending."""
+        if cut >= len(self._window):
+            return self._advance(new_text)
+        delta = self._decode(self._window[:cut])[len(self._prefix_text):]
+        start = self._read_offset  # the window keeps the tokens read so far as the context of the rest
+        self._window = self._window[start:]
+        self._read_offset = cut - start
+        self._prefix_text = self._decode(self._window[:self._read_offset])
+        return delta
 
     def finish(self) -> str:
         """Flushes what is held back: unfinished bytes (as '\\ufffd') and a possible stop prefix.

@@ -575,3 +575,19 @@ def test_long_stop_strings_cost_linear_memory_and_time(tokenizer, prompt, stops)
     # About 0.25 s for 200k characters, 2,000 tokens' decoding included (one 40k stop string took
     # 1.1 s to build before); the bound leaves room for a loaded machine.
     assert elapsed < 0.25 + 3.5e-6 * num_chars
+
+
+@pytest.mark.parametrize("run", [8, 9, 12])
+def test_real_replacement_characters_never_force_out_a_split_character(tokenizer, prompt, run):
+    """Hypothesis found it: a run of real U+FFFD characters (one token each) keeps the text ending in
+    '\\ufffd', which the stream cannot tell from an unfinished character; past `MAX_PENDING_TOKENS` it
+    used to show everything pending, the first bytes of a split character (世) too, as '\\ufffd', so a
+    stop string of '\\ufffd's matched text decode(ids) does not hold. Now it shows only up to the last
+    token boundary that splits no character."""
+    replacement = tokenizer.convert_tokens_to_ids("ï¿½")
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    split = encode(tokenizer, "世")
+    ids = [im_end] + [replacement] * 3 + [im_end] + [replacement] * run + split + encode(tokenizer, " ok")
+    stops = ["\ufffd" * 11, "a"]
+    detok, _ = stream_checking_each_step(tokenizer, prompt, ids, stops, skip_special_tokens=False)
+    assert (detok.text, detok.stop_hit) == naive_cut(tokenizer.decode(ids, skip_special_tokens=False), stops)
