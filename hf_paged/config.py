@@ -189,6 +189,13 @@ class PagedCacheConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
+def default_max_state_checkpoints(max_num_seqs: int) -> int:
+    """The state checkpoints an engine keeps for prefix caching of a recurrent model when
+    `max_state_checkpoints` is not set: as many as it runs sequences (the checkpoints' memory equals the
+    working state's)."""
+    return max_num_seqs
+
+
 def _knob(default, help: str, parse=None, choices: Sequence[str] | None = None):
     """An `EngineConfig` field: its default, the help of its flag, and how the flag parses (default:
     the type of `default`; a tuple default or `parse=(int,)` takes one or more values)."""
@@ -228,6 +235,11 @@ class EngineConfig:
                                           parse=str)
     cache_salt: str | None = _knob(PagedCacheConfig.cache_salt, "mixed into every block hash: caches with "
                                                                 "other salts never share K/V", parse=str)
+    state_checkpoint_interval: int | None = _knob(None, "recurrent models (Mamba, linear attention): tokens between "
+                                                        "the state checkpoints prefix caching keeps (a multiple of "
+                                                        "block-size; default: block-size)", parse=int)
+    max_state_checkpoints: int | None = _knob(None, "recurrent models: the most state checkpoints kept for prefix "
+                                                    "caching (default: max-num-seqs; 0 keeps none)", parse=int)
     max_model_len: int | None = _knob(None, "longest sequence, prompt + output (default: the model's max "
                                             "positions)", parse=int)
     speculative_method: str | None = _knob(None, "speculative decoding: ngram (prompt lookup), or draft_model "

@@ -48,7 +48,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .kv_spec import FULL, SLIDING, FullAttention, LayerSpec, SharedKV, SlidingWindow, check_counts
+from .kv_spec import (FULL, SLIDING, FullAttention, LayerSpec, LinearState, NoCache, SharedKV, SlidingWindow,
+                      check_counts, keeps_kv_elsewhere)
 
 # What the layout functions take per layer: a spec, or (the older form) a sliding window / None (full).
 SpecLike = LayerSpec | int | None
@@ -254,7 +255,7 @@ def kv_layout(layer_specs: Sequence[SpecLike], *, enable_hybrid_kv: bool = True)
             offset_k[layer], offset_v[layer] = slot * k, slot * v
         page_k, page_v = max(page_k, len(group.layers) * k), max(page_v, len(group.layers) * v)
     for layer, spec in enumerate(specs):
-        if not spec.owns_kv:
+        if keeps_kv_elsewhere(spec):
             s = spec.source
             layer_group[layer], layer_slot[layer] = layer_group[s], layer_slot[s]
             offset_k[layer], offset_v[layer] = offset_k[s], offset_v[s]
@@ -267,8 +268,8 @@ def kv_layout(layer_specs: Sequence[SpecLike], *, enable_hybrid_kv: bool = True)
 def _check_sources(specs: Sequence[LayerSpec]) -> None:
     """Every `SharedKV` layer reads a layer that stores K/V of its shape and keeps what it reads."""
     for layer, spec in enumerate(specs):
-        if spec.owns_kv:
-            continue
+        if spec.owns_kv or isinstance(spec, (LinearState, NoCache)):
+            continue  # a state or cache-free layer (`kv_spec.LinearState`, `NoCache`) reads no K/V
         if not isinstance(spec, SharedKV):
             raise ValueError(f"layer {layer}: a layer that stores no K/V must say whose it reads (kv_spec.SharedKV)")
         if not 0 <= spec.source < len(specs) or not specs[spec.source].owns_kv:

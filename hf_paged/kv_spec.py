@@ -22,6 +22,12 @@ While a step writes `c` tokens, a sliding or chunked layer holds at most `w - 1 
 
 A layer that reads another layer's K/V (Gemma 3n's and Gemma 4's "reuse" layers) is a `SharedKV`: it
 owns no blocks and no storage and costs nothing; its mask is its own kind's, its K/V its source's.
+
+A layer that carries a per-sequence state instead of (or beside) K/V (Mamba, gated delta-rule linear
+attention: a short convolution window and a recurrent state) has a `StateShape`: `LinearState` for a
+layer with the state only, any attention spec with `state=` for a layer with both (Falcon-H1's
+"hybrid"). Its cost is per sequence, not per token (`state_spec` has the formulas); a layer with
+neither (Nemotron-H's MLP and MoE layers) is `NoCache`.
 """
 
 from __future__ import annotations
@@ -31,11 +37,19 @@ import operator
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
+from .state_spec import StateShape, state_shape
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 CHUNKED = "chunked_attention"
+LINEAR = "linear_attention"  # a per-sequence state only (Mamba, gated delta rule)
+CONV = "conv"  # a per-sequence convolution window only (LFM2)
+HYBRID = "hybrid"  # full attention and a per-sequence state in one layer (Falcon-H1)
+NO_CACHE = ("mlp", "moe")  # layers that cache nothing (Nemotron-H)
 # The decoder layer types (transformers' `layer_types` names) a paged cache serves.
-LAYER_KINDS = (FULL, SLIDING, CHUNKED)
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
+STATE_KINDS = (LINEAR, CONV, HYBRID)
+LAYER_KINDS = ATTENTION_KINDS + STATE_KINDS + NO_CACHE
 
 
 @dataclass(frozen=True)
@@ -105,9 +119,11 @@ class LayerSpec:
     Attributes:
         shape: the K/V it stores per token, or None when only the states tell (the cache then
             allocates from what the layer passes to `cache.update`).
+        state: the per-sequence state it also carries (Falcon-H1's hybrid layers), or None.
     """
 
     shape: KVShape | None = None
+    state: StateShape | None = None
     kind = FULL
 
     @property
@@ -241,10 +257,56 @@ class SharedKV(LayerSpec):
         return 0
 
 
+@dataclass(frozen=True)
+class LinearState(LayerSpec):
+    """A layer that carries a per-sequence state and no K/V (Mamba mixers, gated delta-rule linear
+    attention): it joins no block table; its `state` (required) is what a sequence holds in it."""
+
+    kind = LINEAR
+
+    def __post_init__(self):
+        if self.state is None:
+            raise ValueError("a linear-attention layer spec needs its state shape")
+
+    @property
+    def owns_kv(self) -> bool:
+        return False
+
+    def max_tokens_held(self, new_tokens: int, lookback: int = 0) -> int:
+        return 0
+
+
+@dataclass(frozen=True)
+class NoCache(LayerSpec):
+    """A layer that caches nothing (an MLP or MoE layer in Nemotron-H's layer list)."""
+
+    kind = "no_cache"
+
+    @property
+    def owns_kv(self) -> bool:
+        return False
+
+    def max_tokens_held(self, new_tokens: int, lookback: int = 0) -> int:
+        return 0
+
+
+def keeps_kv_elsewhere(spec: LayerSpec) -> bool:
+    """Whether a layer that stores no K/V still reads some (a `SharedKV`): False for a state or
+    cache-free layer, which joins no block table and reads none."""
+    return isinstance(spec, SharedKV)
+
+
+def state_specs(specs: Sequence[LayerSpec]) -> dict[int, StateShape]:
+    """Per layer that carries a per-sequence state, its shape."""
+    return {i: s.state for i, s in enumerate(specs) if s.state is not None}
+
+
 def map_shapes(specs: Sequence[LayerSpec], fn) -> tuple[LayerSpec, ...]:
     """`specs` with every K/V shape replaced by `fn(shape)` (a `SharedKV`'s own and its reads' alike):
     a tensor-parallel rank's share of the heads, or a what-if head count."""
     def one(spec: LayerSpec) -> LayerSpec:
+        if spec.shape is None and not isinstance(spec, SharedKV):
+            return spec
         shape = None if spec.shape is None else fn(spec.shape)
         if isinstance(spec, SharedKV):
             return replace(spec, shape=shape, reads=one(spec.reads))
@@ -270,11 +332,21 @@ def layer_specs(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> tup
             divide a layer's KV heads.
     """
     types = layer_types(config)
-    shapes = layer_shapes(config, len(types), tensor_parallel_size)
+    shapes = layer_shapes(config, len(types), tensor_parallel_size) if any(t in ATTENTION_KINDS + (HYBRID,)
+                                                                              for t in types) else [None] * len(types)
+    state = None
+    if any(t in STATE_KINDS for t in types):
+        state = state_shape(config)
     specs: list[LayerSpec] = []
     for i, (kind, shape) in enumerate(zip(types, shapes)):
         if kind == FULL:
             specs.append(FullAttention(shape))
+        elif kind == HYBRID:
+            specs.append(FullAttention(shape, state=state))
+        elif kind in (LINEAR, CONV):
+            specs.append(LinearState(state=state))
+        elif kind in NO_CACHE:
+            specs.append(NoCache())
         elif kind == SLIDING:
             specs.append(SlidingWindow(shape, window=_int(config.get("sliding_window"), "sliding_window")))
         elif kind == CHUNKED:

@@ -73,3 +73,15 @@ def engine_scenario(stock, paged, block_size: int, new_tokens: int) -> dict:
     return {"num_blocks": tight, "cached_tokens": outs[1].metrics.num_cached_tokens,
             "preemptions": metrics["vllm:num_preemptions"], "drafts": metrics["vllm:spec_decode_num_draft_tokens"],
             "accepted": metrics["vllm:spec_decode_num_accepted_tokens"]}
+
+
+def word_tokenizer():
+    """A word-level tokenizer over the tiny vocabulary: "w<id>" is id <id> (pad w0, bos w1, eos w2), for
+    pipelines over the tiny models."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="w1", eos_token="w2", pad_token="w0",
+                                   unk_token="w3", padding_side="left")

@@ -30,8 +30,8 @@ FRONTS = ["disagg", "serve", "parallel"]
 # (`defaults` uses the package only through transformers' public `attn_implementation` flag).
 APART = ["planner", "defaults"]
 # Import only each other; anyone may import them.
-LEAVES = {"config", "kv_spec", "kv_layout", "text", "sampling_params", "structured_outputs", "model_source", "optional",
-          "transformers_api"}
+LEAVES = {"config", "kv_spec", "kv_layout", "state_spec", "text", "sampling_params", "structured_outputs", "model_source",
+          "optional", "transformers_api"}
 TOP = {"__init__", "cli"}  # the public front: may import anything, imported by nobody below
 
 
@@ -116,7 +116,8 @@ def test_core_imports_with_torch_unavailable():
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
     assert "hf_paged.core.scheduler" in loaded and "hf_paged.core.block_pool" in loaded
-    assert all(m == "hf_paged" or m.startswith(("hf_paged.core", "hf_paged.config", "hf_paged.kv_spec", "hf_paged.kv_layout")) for m in loaded), loaded
+    leaves = ("hf_paged.core", "hf_paged.config", "hf_paged.kv_spec", "hf_paged.kv_layout", "hf_paged.state_spec")
+    assert all(m == "hf_paged" or m.startswith(leaves) for m in loaded), loaded
 
 
 def test_the_stub_really_blocks_torch():

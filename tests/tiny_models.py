@@ -17,6 +17,7 @@ from transformers.models.mistral import MistralConfig
 from transformers.models.phi3 import Phi3Config
 from transformers.models.qwen2 import Qwen2Config
 from transformers.models.qwen3 import Qwen3Config
+from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
 VOCAB = 256
 # Small windows so that sequences of a few dozen tokens really slide.
@@ -36,6 +37,10 @@ CONFIGS = {
     "gemma3": lambda: Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=7, query_pre_attn_scalar=16,
                                        layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
     "phi3": lambda: Phi3Config(**{**_COMMON, "num_key_value_heads": 6}, sliding_window=13),
+    # Gated delta-rule layers (a per-sequence state, `hf.state`) around one full-attention layer.
+    "qwen3_5": lambda: Qwen3_5TextConfig(**_COMMON, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                         linear_key_head_dim=16, linear_value_head_dim=16,
+                                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "gpt_oss": lambda: GptOssConfig(**{**_COMMON, "head_dim": 16}, num_local_experts=4, num_experts_per_tok=2,
                                     sliding_window=8, layer_types=["sliding_attention", "full_attention",
                                                                    "sliding_attention"]),

@@ -94,6 +94,8 @@ class StepMetadata:
     layer_source: tuple[int, ...] | None = None
     key_limits: torch.Tensor | None = None
     active_layer: int | None = None  # the layer whose K/V the cache stored last (its attention runs next)
+    # A packed step's recurrent-layer plan (`hf.state.StateStep`: rows, saves, restores); None otherwise.
+    state: object = None
     layers_done: set[int] = field(default_factory=set)
     # Quantised layers' scales (`kv_quant.KVScales`) by layer index: layers of different KV groups share
     # one storage slot's payload tensor, so the tensor cannot name the layer.

@@ -13,12 +13,13 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as SequenceABC
+from collections.abc import Callable, Iterable, Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 from ..kv_layout import SpecLike, as_spec, blocks_held, max_blocks_held, window_of
 from ..kv_spec import LayerSpec
 from .sequence import NULL_BLOCK, KVSequence
+from .state_slots import StateSlots, release_rows, restore_point
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -78,6 +79,9 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.num_prefix_hits = 0  # blocks taken back from the cache instead of recomputed
         self.epoch = 0  # bumped by reset_prefix_cache; sequences alive across a reset stop hashing
+        # Called with a hash the cache forgets (its block evicted or rewritten), and with None when it
+        # forgets them all: what is keyed by a block's hash elsewhere (state checkpoints) goes with it.
+        self.on_forget: Callable[[int | None], None] | None = None
 
     # ---------------------------------------------------------------- questions
     @property
@@ -228,6 +232,8 @@ class BlockPool:
         for block_id in list(self.hash_to_block.values()):
             self.block_hash[block_id] = None
         self.hash_to_block.clear()
+        if self.on_forget is not None:
+            self.on_forget(None)
 
     def _drop_hash(self, block_id: int) -> None:
         block_hash = self.block_hash[block_id]
@@ -235,6 +241,8 @@ class BlockPool:
             self.block_hash[block_id] = None
             if self.hash_to_block.get(block_hash) == block_id:
                 del self.hash_to_block[block_hash]
+                if self.on_forget is not None:
+                    self.on_forget(block_hash)
 
     # ---------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
@@ -328,6 +336,14 @@ class BlockManager:
         self.group_specs: tuple[LayerSpec, ...] = group_specs
         self.lookback = lookback
         self._freeing = [g for g, spec in enumerate(group_specs) if spec.reach is not None]
+        # The state rows of a model with recurrent layers (`state_slots`), set by the cache; None otherwise.
+        self.state_slots: StateSlots | None = None
+
+    def use_state_slots(self, slots: StateSlots) -> None:
+        """Keep per-sequence state rows in `slots`: `free` releases a sequence's rows, prefix-cache hits
+        end where a state checkpoint is kept, and a block the pool forgets takes its checkpoint along."""
+        self.state_slots = slots
+        self.pool.on_forget = lambda key: slots.drop_all() if key is None else slots.drop(key)
 
     @property
     def num_groups(self) -> int:
@@ -399,6 +415,8 @@ class BlockManager:
             if any(pool.lookup(self._key(g, parent)) is None for g in full):
                 break
             hashes.append(parent)
+        if self.state_slots is not None:  # the state must be restored where the hit ends
+            hashes = hashes[: restore_point(self.state_slots, hashes, len(hashes), bs)]
         if not self._freeing:
             return len(hashes) * bs
         # misses[g][k]: blocks among the first k that group g lacks
@@ -409,6 +427,8 @@ class BlockManager:
                 counts.append(counts[-1] + (pool.lookup(self._key(g, h)) is None))
             misses[g] = counts
         for k in range(len(hashes), 0, -1):
+            if self.state_slots is not None and restore_point(self.state_slots, hashes, k, bs) != k:
+                continue
             if all(misses[g][k] == misses[g][self.first_kept_block(g, k * bs)] for g in self._freeing):
                 return k * bs
         return 0
@@ -588,6 +608,8 @@ class BlockManager:
         them before the shared prompt blocks that other requests are likelier to reuse."""
         for table, released in zip(seq.block_tables, seq.num_released):
             self.pool.free(reversed(table[released:]))
+        if self.state_slots is not None:
+            release_rows(self.state_slots, seq)
         seq.block_tables = [[] for _ in range(self.num_groups)]
         seq.num_released = [0] * self.num_groups
         seq.token_ids.clear()

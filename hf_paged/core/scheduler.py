@@ -30,6 +30,7 @@ from enum import Enum
 from ..config import EngineConfig
 from .block_pool import BlockManager
 from .sequence import KVSequence
+from .state_slots import assign_row, plan_chunk, settle
 
 
 class RequestStatus(str, Enum):
@@ -315,6 +316,20 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
             if held:
                 request.num_computed_tokens = held
+            slots = self.manager.state_slots
+            if slots is not None:  # recurrent layers: the checkpoint where the hit ends, and a state row
+                restore = None
+                if num_cached:  # looked up first: the lookup keeps it from being the next evicted
+                    restore = slots.lookup(request.seq.block_hashes[num_cached // self.block_size - 1])
+                    if restore is None:  # `num_cached_prefix_tokens` ends every hit at a kept checkpoint
+                        raise RuntimeError(f"no state checkpoint at the end of request {request.request_id!r}'s "
+                                           f"prefix-cache hit of {num_cached} tokens")
+                    slots.num_restores += 1
+                assign_row(slots, request.seq)
+                if restore is not None:
+                    # A row freed by evicting that checkpoint keeps its bytes until the step's copies have run:
+                    # rows are written only by the forward, after them.
+                    slots.copy_later(restore, request.seq.state_row)
             request.num_cached_tokens = num_cached
             out.num_prefix_hit_tokens += num_cached
             # Leave the queue only together with joining `running`: an exception anywhere in this step
@@ -327,12 +342,21 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def rollback(self, request: Request, num_tokens: int) -> None:
+    def rollback(self, request: Request, num_tokens: int) -> bool:
         """Forget the last `num_tokens` computed tokens (rejected speculative tokens): their slots
-        are released and their blocks truncated, so nothing stale is ever read."""
+        are released and their blocks truncated, so nothing stale is ever read. A sequence with a
+        recurrent state takes the snapshot its step kept at that point (`state_slots.settle`); with none
+        there it is preempted and recomputed. Returns whether it was preempted."""
+        slots = self.manager.state_slots
+        if slots is not None and request.status == RequestStatus.RUNNING:
+            computed = request.num_computed_tokens
+            if not settle(slots, request.seq, computed, computed - num_tokens):
+                self.preempt(request)  # no snapshot where it goes back to: its state is recomputed
+                return True
         if num_tokens:
             self.manager.truncate(request.seq, num_tokens)
             request.num_computed_tokens -= num_tokens
+        return False
 
     def preempt(self, request: Request, out: SchedulerOutput | None = None) -> None:
         """Free a running request's blocks and put it back at the head of the waiting queue, to be
@@ -397,6 +421,8 @@ class Scheduler:
         start = request.num_computed_tokens
         tokens = request.token_ids[start : start + num_new - len(drafts)] + drafts
         result = self.manager.append_tokens(request.seq, tokens, register=False)
+        if self.manager.state_slots is not None:
+            plan_chunk(self.manager.state_slots, request.seq, start, num_new, len(drafts), self.block_size)
         out.copies.extend(result.copies)
         out.new_full_blocks.extend(result.new_full_blocks)
         request.num_computed_tokens += num_new

@@ -38,6 +38,14 @@ class KVSequence:
         rope: for a model whose rotary frequencies follow the length (`rope.LengthRope`), what each
             token was computed for; a block whose keys are not at the original frequencies is hashed
             with that too. None for every other model.
+        state_row: for a model with recurrent layers, the row of the state pool that holds this
+            sequence's state after its `num_tokens` tokens (`state_slots.StateSlots`); None otherwise or
+            before admission.
+        state_saves: this step's copies of its state: (tokens into its chunk, row) pairs, ascending;
+            checkpoints and speculative snapshots. Set by the scheduler per step.
+        state_snapshots: rows holding its state after a given number of tokens (speculative
+            verification keeps one per draft), {num_tokens: row}, until the step's tokens are settled.
+        state_checkpoints: checkpoints this step writes, (block hash, row), published when it commits.
     """
 
     seq_id: int
@@ -50,6 +58,10 @@ class KVSequence:
     is_cacheable: bool = True
     prefix_epoch: int | None = None
     rope: LengthRope | None = None
+    state_row: int | None = None
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_snapshots: dict[int, int] = field(default_factory=dict)
+    state_checkpoints: list[tuple[int, int]] = field(default_factory=list)
 
     def block_key(self, index: int, block_size: int) -> object:
         """The salt of block `index`'s hash: `extra_key`, with the digests of the spans it overlaps and

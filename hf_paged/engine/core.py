@@ -89,8 +89,7 @@ class EngineCore:
         outputs: text, events and outputs of the requests.
         proposer, num_speculative_tokens: speculative decoding (`spec_decode.make_proposer`), or None.
         eos_token_ids, max_model_len, vocab_size: the model's.
-        fingerprint: reads the model's weights fingerprint (`hf.weights_fingerprint`), checked before
-            admitting so that the prefix cache never serves K/V of other weights.
+        fingerprint: reads the weights fingerprint (`hf.weights_fingerprint`), checked before admitting.
     """
 
     def __init__(self, scheduler: Scheduler, executor: Executor, kv: KVOwner, outputs: OutputProcessor, *,
@@ -111,8 +110,7 @@ class EngineCore:
         self.finished_groups: dict[str, RequestGroup] = {}  # retain_kv requests until `kept_kv` collects
         self.registry_lock = threading.Lock()  # the two dicts above: submitters never wait for a step
         self._ids = itertools.count()
-        # Requests the step in progress advanced (by the id the caller knows), their outputs built once
-        # at its end: a request of n samples costs one output per step, not one per sample.
+        # Requests the step advanced (by the id the caller knows), their outputs built once at its end.
         self._updates: dict[str, TrackedRequest] = {}
         self._consecutive_failed_steps = 0
         self.images = ImageQueue(executor, lambda: scheduler.max_num_batched_tokens, self.metrics, self.fail)
@@ -211,9 +209,9 @@ class EngineCore:
             n = chunk.num_logits
             if not n:
                 continue
-            if entry.request.request_id in deferred:  # its batch samples together, in a later step
-                if entry.request.request_id in self.requests:  # (not ended for waiting too long)
-                    self.scheduler.rollback(entry.request, 1)
+            if (rid := entry.request.request_id) in deferred:  # its batch samples together, in a later step
+                if rid in self.requests and self.scheduler.rollback(entry.request, 1):  # (not ended meanwhile)
+                    self._note_preempted(self.requests[rid])  # a recurrent state without a snapshot: recomputed
                 row += n
                 continue
             tracked = self.requests[entry.request.request_id]
@@ -335,7 +333,8 @@ class EngineCore:
             self.finish(tracked, reason, last_event=events[-1] if events else None)
             return
         rejected = num_drafts - (len(tokens) - 1)
-        self.scheduler.rollback(request, rejected)
+        if self.scheduler.rollback(request, rejected):  # a recurrent state without a snapshot there
+            self._note_preempted(tracked)
         self._updates[tracked.public_id] = tracked
 
     def _end_reason(self, params: SamplingParams, num_out: int, total: int, token: int) -> str | None:
@@ -475,7 +474,8 @@ class EngineCore:
         self.metrics.num_failed_steps += 1
         request = tracked.request
         if request.status == RequestStatus.RUNNING:
-            self.scheduler.rollback(request, request.num_computed_tokens - entry.start)
+            if self.scheduler.rollback(request, request.num_computed_tokens - entry.start):  # a recurrent state
+                self._note_preempted(tracked)
         tracked.num_failures += 1
         if isinstance(exc, BatchProcessorError):  # the caller's processor raised: the caller's error, at once
             exc = exc.error

@@ -32,7 +32,8 @@ import torch
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..config import (DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEOUT_SECONDS,
-                      DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS, EngineConfig, PagedCacheConfig)
+                      DEFAULT_GRAMMAR_MASK_BUDGET_SECONDS, EngineConfig, PagedCacheConfig,
+                      default_max_state_checkpoints)
 from ..core import KVSequence, Scheduler
 from ..hf import PagedCache, check_attention_routed, check_model_supported, invalidate, weights_fingerprint
 from ..hf.rope import default_max_model_len
@@ -79,34 +80,28 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         max_num_seqs: most requests running at once.
         max_num_batched_tokens: token budget of one forward (decodes plus prefill chunks).
         block_size, kv_cache_dtype, kv_quant_scheme, kv_quant_rotation, enable_prefix_caching, enable_hybrid_kv,
-        cache_salt, attention_backend: see
-            `PagedCacheConfig` (`kv_cache_dtype` takes the names of `config.KV_CACHE_DTYPES`; a quantised
-            cache honours a checkpoint's own `k_scale` / `v_scale`).
+        cache_salt, attention_backend: see `PagedCacheConfig` (`kv_cache_dtype` takes the names of
+            `config.KV_CACHE_DTYPES`; a quantised cache honours a checkpoint's own `k_scale` / `v_scale`).
         num_blocks: fixed KV pool size in blocks. Default: from `max_kv_bytes`.
-        max_kv_bytes: KV budget in bytes. Default: 2 GiB on CPU, half the free memory on CUDA, capped
-            at what `max_num_seqs` full-length sequences need.
+        max_kv_bytes: KV budget in bytes (default: 2 GiB on CPU, half the free memory on CUDA, capped).
         max_model_len: longest sequence (prompt + output); default the model's max positions.
         show_progress: tqdm bar in `generate`; None = only when stderr is a terminal.
         draft_model: a smaller causal LM sharing the tokenizer, or a Gemma 4 assistant: speculative decoding.
         speculative_method: "draft_model" (implied by `draft_model`), "ngram" (prompt lookup) or None.
-        num_speculative_tokens: tokens drafted per step and request (default 5 when speculating, at
-            at most `config.MAX_SPECULATIVE_TOKENS`); `SamplingParams.num_speculative_tokens` overrides it per request (0 = off).
+        num_speculative_tokens: tokens drafted per step and request (default 5 when speculating, at most
+            `config.MAX_SPECULATIVE_TOKENS`); `SamplingParams.num_speculative_tokens` overrides it (0 = off).
         prompt_lookup_min, prompt_lookup_max: n-gram sizes the "ngram" proposer tries.
-        eos_token_ids: end-of-sequence ids; default the model's generation config's (then its
-            config's, then the tokenizer's).
-        cuda_graphs: replay decode steps (every request feeds one token: no prefill chunk, no
-            speculative verify) from CUDA graphs (`worker/cuda_graphs.py`). None (default): on for a
-            CUDA model with the Triton backend, off elsewhere; True where graphs cannot run is a
-            ValueError. Graphs are captured per (batch bucket, max_seqlen_k bucket) the first time a
-            step needs one; other steps run eagerly.
-        cuda_graph_batch_sizes: the batch buckets (default 1, 2, 4, ... and `max_num_seqs`); a decode
-            step of more sequences than the largest runs eagerly.
-        cuda_graph_max_seqlens: the max_seqlen_k buckets (default 256, 512, ... and the longest sequence
-            the pool and `max_model_len` allow); a longer step runs eagerly.
-        grammar_cache_bytes, grammar_compile_timeout_seconds, grammar_mask_budget_seconds: structured
-            outputs' limits (`config.DEFAULT_GRAMMAR_*`; `structured.grammar.Grammars`): compiled grammars
-            kept (bytes); how long a request waits for its grammar to compile; how long a request's
-            token masks may take per step, or it ends with an error. A time of None: no limit.
+        eos_token_ids: end-of-sequence ids; default the model's generation config's (its config's, the tokenizer's).
+        cuda_graphs: replay decode steps from CUDA graphs per (batch, max_seqlen_k) bucket (`worker/cuda_graphs.py`);
+            None (default): on for a CUDA model with the Triton backend; True where they cannot run: ValueError.
+        cuda_graph_batch_sizes, cuda_graph_max_seqlens: the buckets (default 1, 2, 4, ... `max_num_seqs`;
+            256, 512, ... the longest sequence the pool allows); a step past the largest runs eagerly.
+        state_checkpoint_interval, max_state_checkpoints: a model with recurrent layers (`hf.state`): tokens
+            between the state checkpoints its prefix cache keeps (default `block_size`), and how many at most.
+        grammar_cache_bytes, grammar_compile_timeout_seconds, grammar_mask_budget_seconds: structured outputs'
+            limits (`config.DEFAULT_GRAMMAR_*`; `structured.grammar.Grammars`): compiled grammars kept (bytes); how
+            long a request waits for its grammar to compile; how long its token masks may take per step, or it
+            ends with an error. A time of None: no limit.
     """
 
     def __init__(
@@ -127,6 +122,8 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         cache_salt: str | None = EngineConfig.cache_salt,
         attention_backend: str | None = EngineConfig.attention_backend,
         max_model_len: int | None = EngineConfig.max_model_len,
+        state_checkpoint_interval: int | None = EngineConfig.state_checkpoint_interval,
+        max_state_checkpoints: int | None = EngineConfig.max_state_checkpoints,
         show_progress: bool | None = None,
         draft_model: torch.nn.Module | None = None,
         speculative_method: str | None = EngineConfig.speculative_method,
@@ -168,11 +165,15 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         self.tensor_parallel = tp = tensor_parallel_group(model)
         probe = check_tensor_parallel(tp, probe, draft_model, speculative_method)
         cuda_graphs = cuda_graphs and tp is None
-        num_blocks = num_blocks or default_num_blocks(model, probe, max_num_seqs, model_len, self.device)
+        states = _state_plan(state_checkpoint_interval, max_state_checkpoints, block_size, max_num_seqs,
+                             enable_prefix_caching)
+        num_blocks = num_blocks or default_num_blocks(model, probe, max_num_seqs, model_len, self.device, states[0])
         if tp is not None:
             num_blocks = tp.broadcast(num_blocks)  # rank 0's pool: every rank holds the same block ids
         cache_config = replace(probe, max_kv_bytes=None, num_blocks=num_blocks)
         kv = PagedCache(model.config, cache_config).kv  # the model's layers write through the adapter
+        if kv.states is not None:  # recurrent layers: rows for the running sequences, their snapshots, checkpoints
+            kv.configure_states(*states)
         kv.use_checkpoint_kv_scales(model)
         eos_token_ids = (model_eos_token_ids(model, tokenizer) if eos_token_ids is None
                          else as_token_id_list(eos_token_ids))
@@ -566,3 +567,18 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
     def reset_metrics(self) -> None:
         with self._lock:
             self._metrics.reset()
+
+
+def _state_plan(interval: int | None, checkpoints: int | None, block_size: int, max_num_seqs: int,
+                prefix_caching: bool) -> tuple[int, int, int]:
+    """(rows, checkpoints, interval) of a model with recurrent layers (`KVOwner.configure_states`): a
+    state row per running sequence and the prefix-cache checkpoints (none without prefix caching), the
+    knobs' defaults filled in. Speculative snapshots (a row per draft of a verifying sequence) are taken
+    as they come: the rows grow for them."""
+    for name, value, low in (("state_checkpoint_interval", interval, 1), ("max_state_checkpoints", checkpoints, 0)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{name} must be an integer >= {low} or None, got {value!r}")
+    interval = block_size if interval is None else interval  # a multiple of it (`KVOwner.configure_states`)
+    checkpoints = default_max_state_checkpoints(max_num_seqs) if checkpoints is None else checkpoints
+    checkpoints = checkpoints if prefix_caching else 0
+    return max_num_seqs + checkpoints + 1, checkpoints, interval

@@ -124,6 +124,7 @@ class PagedCache(Cache):
         step = self.kv.step
         if step is not None and step.num_columns and step.layers_done and layer_idx not in step.layers_done \
                 and layer_idx < len(self.kv.layers) \
+                and getattr(self.kv.layers[layer_idx], "spec", None) is not None \
                 and self.kv.layers[layer_idx].spec.owns_kv:
             # Mid-forward, before this layer's own update (Llama 4's NoPE layers read it for their query
             # temperature): the columns before this step, as DynamicCache's layer answers then.
@@ -145,7 +146,7 @@ class PagedCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return True
+        return not self.kv.state_layers  # a recurrent state cannot drop tokens
 
     @property
     def batch_size(self) -> int:
@@ -204,6 +205,9 @@ class PagedCache(Cache):
         n = -tokens_to_remove
         if n == 0:
             return
+        if self.kv.state_layers:
+            raise ValueError(f"cannot crop {n} tokens from a cache with recurrent layers (Mamba, linear attention): "
+                             "their state cannot drop tokens (stock's needs activate_past_recording first)")
         if n > self._num_columns:
             raise ValueError(f"cannot crop {n} tokens from a cache holding {self._num_columns}")
         short = [i for i, seq in enumerate(self.seqs) if seq.num_tokens < n]
@@ -226,6 +230,8 @@ class PagedCache(Cache):
         self.seqs = []
         self._num_columns = 0
         self.stores_padding = False
+        for layer in self.kv.state_layers:
+            layer.reset()
 
     # ------------------------------------------------------------------ planning a padded batch
     def plan_step(
@@ -283,6 +289,7 @@ class PagedCache(Cache):
 
         # Validated and sized: from here on nothing can fail, so the state changes.
         self.seqs = seqs
+        self._bind_states(has_previous=self._num_columns > 0)
         if input_ids is None:  # tokens unknown: nothing they hold may be hashed or found
             for seq, cols in zip(seqs, real_cols):
                 if len(cols):
@@ -302,8 +309,38 @@ class PagedCache(Cache):
 
     def _reindex(self, rows: list[int]) -> None:
         if self.seqs:
+            states = self.kv.states
+            kept = None
+            if states is not None and self.seqs[0].state_row is not None:
+                bad = [r for r in rows if not 0 <= r < len(self.seqs)]
+                if bad:
+                    raise ValueError(f"row indices {bad} are out of range for a cache of {len(self.seqs)} sequences")
+                kept = [self.seqs[r].state_row for r in rows]  # read before any row is freed
+                kept = [t.index_select(0, torch.tensor(kept, device=t.device)) for t in states.tensors()]
             self.seqs = self.kv.manager.reindex(self.seqs, rows, self.kv.next_seq_id)
             self.kv.step = None
+            if kept is not None:  # the new rows as one run again, in the new order
+                slots = self.kv.state_slots
+                for seq in self.seqs:
+                    if seq.state_row is not None:
+                        slots.release(seq.state_row)
+                        seq.state_row = None
+                self._bind_states(has_previous=True)
+                start = self.seqs[0].state_row
+                for t, rows_kept in zip(states.tensors(), kept):
+                    with torch.inference_mode(t.is_inference()):
+                        t[start:start + len(self.seqs)] = rows_kept
+
+    def _bind_states(self, has_previous: bool) -> None:
+        """Point every recurrent layer at the batch's rows (one contiguous run, taken at the first forward)."""
+        if not self.kv.state_layers or not self.seqs:
+            return
+        if self.seqs[0].state_row is None:
+            start = self.kv.state_slots.allocate(len(self.seqs))
+            for i, seq in enumerate(self.seqs):
+                seq.state_row = start + i
+        for layer in self.kv.state_layers:
+            layer.bind(self.seqs[0].state_row, len(self.seqs), has_previous)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:

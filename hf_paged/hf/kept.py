@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 
 class KeptSequences:
     """`KVOwner`'s kept sequences and K/V transfer (see the module docstring). Needs the owner's
-    `manager`, `fork_sequence` and `_held` (by seq_id) / `_to_release` (a deque)."""
+    `manager`, `state_slots`, `fork_sequence` and `_held` (by seq_id) / `_to_release` (a deque)."""
 
     # ------------------------------------------------------------------ kept sequences
     def keep(self, seq: KVSequence, num_tokens: int) -> bool:
@@ -28,6 +28,8 @@ class KeptSequences:
         extra = seq.num_tokens - num_tokens
         if extra > 0:
             try:
+                if self.state_slots is not None:  # a recurrent state cannot drop tokens: recompute instead
+                    raise ValueError("a kept sequence with a recurrent state cannot be shortened")
                 self.manager.truncate(seq, extra)
             except ValueError:
                 self.manager.free(seq)
@@ -71,6 +73,8 @@ class KeptSequences:
             return False
         if seq.num_tokens > num_tokens:
             try:
+                if self.state_slots is not None:  # a recurrent state cannot drop tokens: recompute instead
+                    raise ValueError("a kept sequence with a recurrent state cannot be shortened")
                 self.manager.truncate(seq, seq.num_tokens - num_tokens)
             except ValueError:
                 del self._held[seq.seq_id]

@@ -48,10 +48,13 @@ from ..attention.metadata import PAGED, StepMetadata, host_to_device
 from ..attention.torch_paged import Workspace
 from ..config import PagedCacheConfig, kv_bytes_per_token_layer, kv_layout
 from ..core import BlockManager, BlockPool, KVSequence
-from ..kv_spec import FullAttention
+from ..core.state_slots import StateSlots
+from ..kv_spec import FullAttention, NoCache, state_specs
+from ..state_spec import MIXERS
 from . import kv_transfer, pool_sizing
 from .kept import KeptSequences
-from .layer import PagedLayer, SharedLayer
+from .layer import DummyLayer, PagedLayer, SharedLayer
+from .state import PagedStateLayer, StateLayer, StateStore
 from .pages import PageBuffers
 from .rope import has_length_rope
 from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
@@ -117,17 +120,47 @@ class KVOwner(KeptSequences):
                 f"hf_paged: kv_cache_dtype={cfg.kv_cache_dtype!r} with per-layer K/V shapes (model_type="
                 f"{config.get_text_config(decoder=True).model_type!r}: its layers differ in KV heads or head size) is "
                 "not supported yet (quantisation scales are kept per storage slot); use kv_cache_dtype='auto'")
-        self.layers = [
-            PagedLayer(self, spec, layout.layer_group[i], layout.layer_slot[i],
-                       *((layout.layer_offset_k[i], layout.layer_offset_v[i]) if self.pages is not None else ()))
-            if spec.owns_kv else SharedLayer(spec, layout.layer_group[i], layout.layer_slot[i])
-            for i, spec in enumerate(self.layer_specs)]
+        # Per-sequence state of recurrent layers (`hf.state`): rows of a store, grown as sequences come.
+        shapes = state_specs(self.layer_specs)
+        mixer = MIXERS.get(config.get_text_config(decoder=True).model_type)
+        self.states = StateStore(shapes, 1, resumes=mixer != "mamba") if shapes else None
+        self.state_slots = None
+        self.pending_checkpoints: list[tuple[int, int]] = []  # (block hash, row) the running step writes
+        self.layers = [self._layer(i, spec) for i, spec in enumerate(self.layer_specs)]
+        self.state_layers = [layer for layer in self.layers if isinstance(layer, StateLayer)]
         # The layers that store K/V (a `SharedLayer` reads its source's and writes nothing).
         self.storage_layers = [layer for layer in self.layers if isinstance(layer, PagedLayer)]
         self._group_layout: dict | None = None
         self.pool = BlockPool(cfg.num_blocks or 0, cfg.enable_prefix_caching)
         self.manager = BlockManager(self.pool, self.block_size, layout.group_specs or (FullAttention(),),
                                     lookback=lookback)
+        if self.states is not None:
+            self.configure_states(1, 0, self.block_size)
+
+    def _layer(self, i: int, spec):
+        layout = self.layout
+        where = (spec, layout.layer_group[i], layout.layer_slot[i],
+                 *((layout.layer_offset_k[i], layout.layer_offset_v[i]) if self.pages is not None else ()))
+        if spec.owns_kv:
+            return PagedLayer(self, *where) if spec.state is None else PagedStateLayer(self, self.states, i, *where)
+        if spec.state is not None:
+            return StateLayer(self.states, i)
+        if isinstance(spec, NoCache):
+            return DummyLayer()
+        return SharedLayer(spec, layout.layer_group[i], layout.layer_slot[i])
+
+    def configure_states(self, num_rows: int, max_checkpoints: int, interval: int) -> None:
+        """Size the state rows of a model with recurrent layers: `num_rows` to start with (they grow
+        when more sequences are live), at most `max_checkpoints` of them prefix-cache checkpoints taken
+        every `interval` tokens (a multiple of the block size). Only before the first step."""
+        if interval % self.block_size:
+            raise ValueError(f"state_checkpoint_interval={interval} must be a multiple of block_size={self.block_size}")
+        if not self.cache_config.enable_prefix_caching:
+            max_checkpoints = 0
+        self.state_slots = StateSlots(max(num_rows, max_checkpoints + 1), max_checkpoints, interval)
+        self.states.resize(self.state_slots.num_rows)
+        self.state_slots.on_grow = self.states.resize
+        self.manager.use_state_slots(self.state_slots)
 
     @property
     def cache(self):
@@ -226,6 +259,10 @@ class KVOwner(KeptSequences):
             self.step = None
             raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
         self._apply_copies(step.copies)
+        state = getattr(step, "state", None)
+        if state is not None:
+            self.states.resize(state.max_row() + 1)  # a follower rank's rows grow with rank 0's
+            self.states.copy_rows([src for src, _ in state.restores], [dst for _, dst in state.restores])
         self.open(step)
 
     def open(self, step: StepMetadata) -> None:
@@ -275,6 +312,12 @@ class KVOwner(KeptSequences):
         """Every layer wrote the step's K/V: publish the blocks it filled in the prefix cache."""
         note_paged_write(None)
         self.manager.commit_full_blocks(new_full_blocks)
+        pending, self.pending_checkpoints = self.pending_checkpoints, []
+        for key, row in pending:  # a checkpoint is findable only beside the block it ends
+            if self.pool.lookup(key) is not None:
+                self.state_slots.publish(key, row)
+            else:
+                self.state_slots.cancel(row)
 
     def abort(self, reset_prefix_cache: bool = False) -> None:
         """The step failed before its K/V were complete: forget it; nothing it staged is published
@@ -287,6 +330,9 @@ class KVOwner(KeptSequences):
         note_paged_step(None)
         note_paged_write(None)
         self.pool.discard_staged()
+        pending, self.pending_checkpoints = self.pending_checkpoints, []
+        for _, row in pending:
+            self.state_slots.cancel(row)
 
     def step_is_unfinished(self) -> bool:
         return self.step is not None and len(self.step.layers_done) < len(self.storage_layers)
@@ -361,7 +407,11 @@ class KVOwner(KeptSequences):
     def fork_sequence(self, seq: KVSequence) -> KVSequence:
         """A new sequence sharing every block of `seq` (copy-on-write on its next write): one sample
         of n continuing a prompt computed once."""
-        return self.manager.fork(seq, self.next_seq_id())
+        fork = self.manager.fork(seq, self.next_seq_id())
+        if self.state_slots is not None and seq.state_row is not None:  # the parent's state as of now
+            fork.state_row = self.state_slots.allocate(1)
+            self.state_slots.copy_later(seq.state_row, fork.state_row)
+        return fork
 
     def free_sequence(self, seq: KVSequence) -> None:
         self.manager.free(seq)

@@ -30,8 +30,13 @@ class Reserved:
 
 
 def check_transferable_layout(kv) -> None:  # kv: a KVOwner
-    """Raise ValueError when `kv`'s layers differ in K/V shape: its storage slots are byte pages, not
-    one shape per slot, so no per-token transfer buffer describes them."""
+    """Raise ValueError when `kv`'s layers differ in K/V shape (its storage slots are byte pages, not
+    one shape per slot, so no per-token transfer buffer describes them) or carry a per-sequence state
+    (a recurrent layer's, which no per-token buffer holds)."""
+    if kv.states is not None:
+        raise ValueError("moving K/V between engines does not carry the per-sequence state of recurrent layers yet "
+                         f"(model_type={kv.model_config.model_type!r} has {len(kv.state_layers)} Mamba / linear-"
+                         "attention layers): serve this model from one engine")
     if not kv.layout.uniform_shape:
         raise ValueError("moving K/V between engines is not supported yet for a model whose layers differ in K/V "
                          "shape (KV heads or head size, as Gemma 4's full and sliding layers do)")

@@ -88,6 +88,8 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
         row_keys = None
         if input_ids is not None and inputs_embeds is None and not cache.seqs:
             row_keys = multimodal_row_keys({**named, **kwargs}, input_ids)
+            if get("position_ids") is None and torch.is_tensor(attention_mask) and attention_mask.dim() == 2:
+                row_keys = padding_row_keys(attention_mask, row_keys)
         meta = cache.plan_step(
             row_keys=row_keys,
             batch_size=reference.shape[0],
@@ -133,6 +135,16 @@ def multimodal_row_keys(inputs: dict, input_ids: torch.Tensor) -> list[bytes] | 
         digest.update(t.reshape(-1).view(torch.uint8).cpu().numpy().tobytes() if t.numel() else b"")
     call = digest.digest()
     return [call + row.to_bytes(4, "little") for row in range(input_ids.shape[0])]
+
+
+def padding_row_keys(attention_mask: torch.Tensor, row_keys: list | None) -> list:
+    """`row_keys` (or none) salted with each row's left padding, for a first forward that passes no
+    `position_ids`: the model positions its tokens itself (Whisper's and Marian's decoders count from
+    the first column, padding included, as stock does), so a token's K/V depend on how much padding
+    precedes its row, which its ids do not name. Rows then share a block only at the same offset."""
+    pads = (attention_mask.cumsum(-1) == 0).sum(-1).tolist()  # [batch]: padding columns before the first token
+    keys = row_keys if row_keys is not None else [b""] * len(pads)
+    return [key + b"pad" + int(n).to_bytes(4, "little") for key, n in zip(keys, pads)]
 
 
 def _collect_tensors(value, out: list) -> None:

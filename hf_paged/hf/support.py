@@ -17,7 +17,8 @@ import weakref
 
 import torch
 
-from ..kv_spec import LAYER_KINDS, kv_sources
+from ..kv_spec import ATTENTION_KINDS, HYBRID, LAYER_KINDS, STATE_KINDS, kv_sources
+from ..state_spec import state_shape
 from .rope import check_rope_supported
 
 
@@ -44,10 +45,22 @@ def check_decoder_supported(config, include_decoder_flag: bool = True) -> None:
     types = layer_types_of(config)
     unsupported = sorted({t for t in types if t not in LAYER_KINDS})
     if unsupported:
+        why = "; ".join(f"its {kind} layers {_KIND_REASONS[kind]}" for kind in unsupported if kind in _KIND_REASONS)
         raise ValueError(
-            f"hf_paged does not support model_type={text.model_type!r}: its layer types {unsupported} are "
-            f"not plain attention (supported: {LAYER_KINDS}); {_INSTEAD}"
+            f"hf_paged does not support model_type={text.model_type!r}: "
+            + (why if why else f"its layer types {unsupported} are not plain attention (supported: {LAYER_KINDS})")
+            + f"; {_INSTEAD}"
         )
+    if any(t in STATE_KINDS for t in types):
+        if not any(t in ATTENTION_KINDS + (HYBRID,) for t in types):
+            raise ValueError(
+                f"hf_paged does not support model_type={text.model_type!r}: it has no attention layer (every layer "
+                f"is {sorted(set(types))}), so it keeps no K/V for paged blocks to hold and nothing for prefix "
+                f"caching to key its state by; {_INSTEAD}")
+        try:
+            state_shape(_config_dict(text))
+        except ValueError as exc:
+            raise ValueError(f"{exc}; {_INSTEAD}") from None
     reason = cross_attention_refusal(config, include_decoder_flag)
     if reason is not None:
         raise ValueError(reason)
@@ -57,11 +70,21 @@ def check_decoder_supported(config, include_decoder_flag: bool = True) -> None:
         raise ValueError(f"hf_paged cannot serve model_type={text.model_type!r}: {exc}; {_INSTEAD}") from None
     check_rope_supported(config)
     if not any(_declares(text, name) for name in ("num_key_value_heads", "num_attention_heads")):
-        raise ValueError(f"hf_paged cannot find attention heads in the config of model_type={text.model_type!r}; "
-                         f"{_INSTEAD}")
+        raise ValueError(f"hf_paged does not support model_type={text.model_type!r}: its config names no attention "
+                         "heads (num_attention_heads / num_key_value_heads), so it has no attention layer whose K/V "
+                         f"paged blocks could hold (a recurrent model, as RWKV and xLSTM are); {_INSTEAD}")
 
 
 _INSTEAD = "load the model with attn_implementation='sdpa' or 'eager' instead"
+
+# Why a layer kind no `kv_spec` spec describes cannot be served: the refusal names the reason, not only the kind.
+_KIND_REASONS = {
+    "indexed_attention": "attend only to the earlier tokens a learned indexer picks for each query (sparse attention, "
+                         "as DeepSeek-V3.2's), which no paged attention kernel computes",
+    "hybrid_sliding": "run short convolutions over their queries, keys and values beside sliding-window attention, "
+                      "keeping convolution windows whose widths differ from its other layers' (hf_paged's state spec "
+                      "gives every recurrent layer of a model one shape)",
+}
 
 
 def _declares(config, name: str) -> bool:
@@ -92,25 +115,46 @@ def cross_attention_refusal(config, include_decoder_flag: bool = True) -> str | 
     )
 
 
-def routes_attention(model_class) -> bool:
+def routes_attention(model_class, config=None) -> bool:
     """Whether a transformers model class routes its attention through transformers' attention
     interface, passing each layer's keyword arguments on to it (the step's metadata travels in them):
     what its authors declare with `_supports_attention_backend` (`PreTrainedModel.is_backend_compatible()`,
     the contract of vLLM's transformers backend, which also needs things hf_paged does not), or else
     what its modelling module's source shows (`_module_routing`: Qwen 3.5, Qwen3-Next, Jamba, Bamba,
-    Falcon-H1, Nemotron-H do route without declaring it). Otherwise the model computes attention in its
+    Falcon-H1, Nemotron-H do route without declaring it), or, for a wrapper whose module holds no
+    attention, its language model's (with `config`). Otherwise the model computes attention in its
     own modules, so a registered attention function (ours) is never called, or called without the
     step's metadata."""
     if getattr(model_class, "_supports_attention_backend", False):
         return True
     routing = _module_routing(inspect.getmodule(model_class))
+    if routing is None and config is not None:
+        routing = _language_model_routing(config)
     return routing is not None and routing[0]
+
+
+def _language_model_routing(config) -> tuple[bool, str] | None:
+    """`_module_routing` of the modelling module of `config`'s language model, for a composite model whose
+    own module holds no attention (MiniCPM-V 4.6 around Qwen 3.5, Nemotron-H Omni around Nemotron-H: the
+    wrapper calls a language model of another family, which does the attention); None when the config has
+    no separate text part or its model class is not found."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    text = config.get_text_config(decoder=True)
+    name = MODEL_MAPPING_NAMES.get(getattr(text, "model_type", None)) if text is not config else None
+    model_class = getattr(transformers, name, None) if isinstance(name, str) else None
+    if model_class is None:
+        return None
+    if getattr(model_class, "_supports_attention_backend", False):
+        return True, ""
+    return _module_routing(inspect.getmodule(model_class))
 
 
 def attention_refusal(model_class, config) -> str | None:
     """Why `attn_implementation="hf_paged"` cannot serve `model_class` (a `PreTrainedModel` subclass
     built from `config`), or None when it can. Encoder-decoders keep their dense fallback (None)."""
-    if getattr(config, "is_encoder_decoder", False) or routes_attention(model_class):
+    if getattr(config, "is_encoder_decoder", False) or routes_attention(model_class, config):
         return None
     model_type = getattr(config, "model_type", "?")
     instead = "'sdpa' or 'eager'" if getattr(model_class, "_supports_sdpa", False) else "'eager'"
@@ -321,7 +365,8 @@ def check_attention_routed(model) -> None:
     for module in model.modules():
         if isinstance(module, PreTrainedModel) and (module is model or module.config is text_config):
             config = model.config if module is model else module.config
-            reason = attention_refusal(type(module), config) or cached_kv_refusal(type(module), config)
+            reason = (attention_refusal(type(module), config)
+                      or cached_kv_refusal(type(module), config))
             if reason is not None:
                 raise ValueError(reason)
     _warn_hub_kernels_once(model)

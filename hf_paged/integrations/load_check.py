@@ -29,6 +29,7 @@ import functools
 from transformers import PreTrainedModel
 
 from ..attention import ATTN_IMPLEMENTATION
+from ..hf.mixers import state_refusal
 from ..hf.support import attention_refusal, cached_kv_refusal, check_decoder_supported, cross_attention_refusal
 
 _original = None
@@ -54,6 +55,9 @@ def install() -> None:
             # The config first, as the engine asks: a Mamba or linear-attention layer is refused for its
             # kind, whatever its attention modules do.
             if not getattr(self.config, "is_encoder_decoder", False):  # an encoder-decoder keeps the dense fallback
+                reason = state_refusal(type(self), self.config)  # before the config's: the exact reason
+                if reason is not None:
+                    raise ValueError(reason)
                 _check_decoder(self.config)
             reason = (attention_refusal(type(self), self.config)
                       or cross_attention_refusal(self.config, include_decoder_flag=False)

@@ -42,6 +42,10 @@ def add_subcommands(subparsers) -> None:
     kv.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: the figures are one rank's (its share of the KV heads; default 1)")
     kv.add_argument("--compare", action="store_true", help="MHA vs GQA vs MQA (vs MLA) vs fp8, side by side")
+    kv.add_argument("--state-checkpoints", type=int, default=None, metavar="N",
+                    help="recurrent models (Mamba, linear attention): prefix-cache state checkpoints counted in the "
+                         "total, each one sequence's state (default: the engine's default for --batch running "
+                         "sequences, one per sequence)")
     kv.add_argument("--plot", metavar="PNG", help="draw KV GB against context length per attention variant")
     kv.add_argument("--json", action="store_true", help="print JSON instead of a table")
     kv.set_defaults(sizing_handler=run_kv_size)
@@ -85,6 +89,10 @@ def add_subcommands(subparsers) -> None:
                          "while prefilling; a sliding-window (chunked) layer holds its window (chunk) plus these")
     pl.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks: plan one device's share (its weights and KV heads; default 1)")
+    pl.add_argument("--state-checkpoints", type=int, default=None, metavar="N",
+                    help="recurrent models (Mamba, linear attention): prefix-cache state checkpoints (the engine's "
+                         "--max-state-checkpoints), each one sequence's state, taken from the budget before "
+                         "sequences are fitted (default: the engine's default, one per sequence that fits)")
     pl.add_argument("--json", action="store_true", help="print JSON instead of a table")
     pl.set_defaults(sizing_handler=run_plan)
 
@@ -129,9 +137,10 @@ def run_kv_size(args) -> int:
     if args.seq_len < 1:
         raise ValueError(f"seq-len must be positive, got {args.seq_len}")
     if args.compare:
-        rows = sizing.compare_kv(shape, args.seq_len, args.batch, args.kv_dtype)
+        rows = sizing.compare_kv(shape, args.seq_len, args.batch, args.kv_dtype, args.state_checkpoints)
     else:
-        rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype, variant=kind)]
+        rows = [sizing.kv_size(shape, args.seq_len, args.batch, args.kv_dtype, variant=kind,
+                               state_checkpoints=args.state_checkpoints)]
     if args.plot:
         plot_kv_vs_context(shape, args.plot, kv_dtype=args.kv_dtype, batch_size=args.batch, seq_len=args.seq_len)
     owning = [s for s in shape.kv_layer_specs if s.owns_kv]
@@ -141,7 +150,9 @@ def run_kv_size(args) -> int:
     if args.json:
         _print_json({"model": shape.name, "layer_kinds": shape.layer_kind_counts, "sliding_windows": windows,
                      "attention_chunks": chunks, "num_shared_kv_layers": num_shared,
-                     "state_bytes_per_seq": shape.state_bytes_per_seq, "refusal": why, "notes": notes,
+                     "state_bytes_per_seq": shape.state_bytes_per_seq,
+                     "num_state_checkpoints": rows[0].num_state_checkpoints,
+                     "state_checkpoint_bytes": rows[0].state_checkpoint_bytes, "refusal": why, "notes": notes,
                      "rows": [r.to_dict() for r in rows], "plot": args.plot})
         return 0
     _print_notes(notes)
@@ -156,14 +167,17 @@ def run_kv_size(args) -> int:
         print(f"{num_shared} layers reuse another layer's K/V and keep none of their own")
     if shape.state_bytes_per_seq:
         print(_state_desc(shape))
-    native = rows[0].total_bytes if not args.compare else sizing.kv_size(shape, args.seq_len, args.batch,
-                                                                          args.kv_dtype).total_bytes
+        print(_checkpoint_desc(rows[0]))
+    native = rows[0].total_bytes if not args.compare else sizing.kv_size(
+        shape, args.seq_len, args.batch, args.kv_dtype, state_checkpoints=args.state_checkpoints).total_bytes
     has_state = bool(shape.state_bytes_per_seq)
-    headers = ["variant", "kv heads", "dtype", "bytes/token", "payload", "scales", *(["state/seq"] * has_state),
-               "per seq GB", "per seq GiB", "total GB", "total GiB", "vs model"]
+    headers = ["variant", "kv heads", "dtype", "bytes/token", "payload", "scales",
+               *(["state/seq", "checkpoints"] * has_state), "per seq GB", "per seq GiB", "total GB", "total GiB",
+               "vs model"]
     table = [[r.variant, r.num_kv_heads, r.kv_dtype, f"{r.bytes_per_token:,}",
               f"{r.bytes_per_token - r.scale_bytes_per_token:,}", f"{r.scale_bytes_per_token:,}",
-              *([f"{r.state_bytes_per_seq:,}"] * has_state), f"{r.bytes_per_seq / GB:,.3f}",
+              *([f"{r.state_bytes_per_seq:,}", f"{r.state_checkpoint_bytes:,}"] * has_state),
+              f"{r.bytes_per_seq / GB:,.3f}",
               f"{r.bytes_per_seq / GiB:,.3f}", f"{r.total_gb:,.1f}", f"{r.total_gib:,.1f}",
               f"{r.total_bytes / native:.3g}x" if native else "-"] for r in rows]
     print(_table(headers, table))
@@ -190,6 +204,14 @@ def _state_desc(shape) -> str:
         parts.append(f"conv {shape.conv_state_elements:,} x {shape.model_dtype}")
     return (f"{' and '.join(kinds)} layers keep a fixed state per sequence instead of K/V per token: "
             f"{shape.state_bytes_per_seq:,} bytes ({'; '.join(parts)})")
+
+
+def _checkpoint_desc(r) -> str:
+    """The prefix cache's state checkpoints of a `KVSize` row: how many, and their bytes."""
+    n = r.num_state_checkpoints
+    return (f"prefix caching keeps {n:,} state checkpoint{'s' * (n != 1)} (--state-checkpoints; default one per "
+            f"sequence of --batch) of that state: {r.state_checkpoint_bytes:,} bytes, "
+            f"{_gb(r.state_checkpoint_bytes)}, counted in the total")
 
 
 def _kv_desc(shape) -> str:
@@ -254,7 +276,8 @@ def run_plan(args) -> int:
         memory_gb = sizing.GPU_PRESETS["h100-sxm"].memory_gb
     memory = int(memory_gb * GB) if memory_gb else None
     kwargs = dict(seq_len=args.seq_len, block_size=args.block_size, max_seq_len=args.max_seq_len,
-                  weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, step_tokens=args.step_tokens)
+                  weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, step_tokens=args.step_tokens,
+                  state_checkpoints=args.state_checkpoints)
     tp, options = args.tp, []
     try:
         result = sizing.plan(model.per_rank(tp), memory_bytes=memory, utilization=args.utilization,
@@ -276,6 +299,9 @@ def run_plan(args) -> int:
                 notes.append(f"no sequence of {args.seq_len:,} tokens fits one device; --tp "
                              f"{fit.tensor_parallel_size} holds {fit.num_seqs_paged:,}")
     shape = model.per_rank(tp)  # every figure below is one device's
+    if result.num_state_checkpoints and not result.num_seqs_paged:
+        notes.append(f"the {result.num_state_checkpoints:,} state checkpoints ({_gb(result.state_checkpoint_bytes)}) "
+                     "leave no room for a sequence: lower --state-checkpoints")
     if args.json:
         _print_json({**result.to_dict(), "tensor_parallel_size": tp, "refusal": why, "notes": notes,
                      "tp_options": [o.to_dict() for o in options]})
@@ -294,7 +320,9 @@ def run_plan(args) -> int:
         ["utilization", f"{r.utilization:g}" if r.memory_bytes else "-"],
         [f"weights ({args.weight_dtype}, {shape.num_params / 1e9:,.2f}B params)", _gb(r.weight_bytes)],
         [f"KV budget ({args.kv_dtype})", _gb(r.kv_budget_bytes)],
-        *([["fixed state per sequence (bytes)", f"{r.state_bytes_per_seq:,}"]] if r.state_bytes_per_seq else []),
+        *([["fixed state per sequence (bytes)", f"{r.state_bytes_per_seq:,}"],
+           [f"prefix-cache state checkpoints ({r.num_state_checkpoints:,} x that state)",
+            _gb(r.state_checkpoint_bytes)]] if r.state_bytes_per_seq else []),
         [f"bytes per block ({r.block_size} tokens)", f"{r.bytes_per_block:,}"],
         ["KV blocks", f"{r.num_blocks:,}"],
         [f"blocks per sequence of {r.seq_len:,} tokens ({r.num_kv_groups} KV group"

@@ -1,15 +1,16 @@
-"""KV bytes of a `ModelShape`: per token and layer, per sequence (with any fixed state), and the
-MHA / GQA / MQA / MLA / fp8 comparison of `hf-paged kv-size --compare`. The formulas are in
-`sizing`'s docstring; a layer's bytes per token come from `config.kv_bytes_per_token_layer` over its
-own K/V shape (its spec's), the formula the cache itself allocates by, and the tokens it holds from
-its spec (`kv_spec`): every token, a window, a chunk, or none for a layer reusing another's K/V.
+"""KV bytes of a `ModelShape`: per token and layer, per sequence (with any fixed state), the prefix
+cache's state checkpoints, and the MHA / GQA / MQA / MLA / fp8 comparison of `hf-paged kv-size
+--compare`. The formulas are in `sizing`'s docstring; a layer's bytes per token come from
+`config.kv_bytes_per_token_layer` over its own K/V shape (its spec's), the formula the cache itself
+allocates by, and the tokens it holds from its spec (`kv_spec`): every token, a window, a chunk, or
+none for a layer reusing another's K/V.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..config import kv_bytes_per_token_layer, kv_scale_bytes_per_token_layer
+from ..config import default_max_state_checkpoints, kv_bytes_per_token_layer, kv_scale_bytes_per_token_layer
 from ..kv_spec import LayerSpec
 from .shape import GB, GiB, ModelShape, check_positive, dtype_spec
 
@@ -64,6 +65,23 @@ def kv_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str
     return batch_size * (per_seq + shape.state_bytes_per_seq)
 
 
+def num_state_checkpoints(shape: ModelShape, max_num_seqs: int, checkpoints: int | None = None) -> int:
+    """The state checkpoints prefix caching keeps beside `max_num_seqs` running sequences: `checkpoints`
+    (an engine's `max_state_checkpoints`), by default the engine's own default
+    (`config.default_max_state_checkpoints`); 0 for a model without a per-sequence state. Each is one
+    sequence's whole state (`state_bytes_per_seq`).
+
+    Raises:
+        ValueError: `checkpoints` is not a non-negative integer.
+    """
+    if checkpoints is not None and (isinstance(checkpoints, bool) or not isinstance(checkpoints, int)
+                                    or checkpoints < 0):
+        raise ValueError(f"state-checkpoints must be a non-negative integer, got {checkpoints!r}")
+    if not shape.state_bytes_per_seq:
+        return 0
+    return default_max_state_checkpoints(max_num_seqs) if checkpoints is None else checkpoints
+
+
 @dataclass(frozen=True)
 class KVSize:
     """One row of `hf-paged kv-size`."""
@@ -75,9 +93,11 @@ class KVSize:
     batch_size: int
     bytes_per_token: int  # payload plus, for a quantised cache, its scales
     bytes_per_seq: int  # K/V plus the fixed state
-    total_bytes: int
+    total_bytes: int  # batch_size * bytes_per_seq + state_checkpoint_bytes
     scale_bytes_per_token: int = 0  # of bytes_per_token
     state_bytes_per_seq: int = 0  # of bytes_per_seq: linear-attention / Mamba state, whatever the length
+    num_state_checkpoints: int = 0  # prefix-cache checkpoints of that state
+    state_checkpoint_bytes: int = 0  # num_state_checkpoints * state_bytes_per_seq
 
     @property
     def total_gb(self) -> float:
@@ -93,16 +113,21 @@ class KVSize:
 
 
 def kv_size(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16",
-            variant: str | None = None) -> KVSize:
-    """Per-token, per-sequence and total KV bytes of `batch_size` sequences of `seq_len` tokens."""
+            variant: str | None = None, state_checkpoints: int | None = None) -> KVSize:
+    """Per-token, per-sequence and total KV bytes of `batch_size` sequences of `seq_len` tokens; the
+    total counts the prefix cache's state checkpoints too (`num_state_checkpoints`: `state_checkpoints`,
+    by default the engine's default for `batch_size` running sequences)."""
     check_positive(batch=batch_size)
     per_seq = kv_bytes(shape, seq_len, 1, kv_dtype)
+    checkpoints = num_state_checkpoints(shape, batch_size, state_checkpoints)
+    checkpoint_bytes = checkpoints * shape.state_bytes_per_seq
     return KVSize(variant=variant or shape.attention_kind, num_kv_heads=1 if shape.is_mla else shape.num_kv_heads,
                   kv_dtype=dtype_spec(kv_dtype).name, seq_len=seq_len,
                   batch_size=batch_size, bytes_per_token=kv_bytes_per_token(shape, kv_dtype),
-                  bytes_per_seq=per_seq, total_bytes=per_seq * batch_size,
+                  bytes_per_seq=per_seq, total_bytes=per_seq * batch_size + checkpoint_bytes,
                   scale_bytes_per_token=kv_scale_bytes_per_token(shape, kv_dtype),
-                  state_bytes_per_seq=shape.state_bytes_per_seq)
+                  state_bytes_per_seq=shape.state_bytes_per_seq, num_state_checkpoints=checkpoints,
+                  state_checkpoint_bytes=checkpoint_bytes)
 
 
 def attention_variants(shape: ModelShape, kv_dtype: str = "bfloat16") -> list[tuple[str, ModelShape, str]]:
@@ -127,6 +152,8 @@ def attention_variants(shape: ModelShape, kv_dtype: str = "bfloat16") -> list[tu
     return rows
 
 
-def compare_kv(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> list[KVSize]:
+def compare_kv(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16",
+               state_checkpoints: int | None = None) -> list[KVSize]:
     """`kv_size` for every entry of `attention_variants`."""
-    return [kv_size(s, seq_len, batch_size, dt, variant=label) for label, s, dt in attention_variants(shape, kv_dtype)]
+    return [kv_size(s, seq_len, batch_size, dt, variant=label, state_checkpoints=state_checkpoints)
+            for label, s, dt in attention_variants(shape, kv_dtype)]

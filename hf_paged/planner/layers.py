@@ -17,23 +17,8 @@ A config without `layer_types` gets them by its family's rule (Qwen3-Next / Qwen
 `sliding_window_pattern`), else every layer is full attention (sliding where `sliding_window` says so,
 as before `layer_types` existed).
 
-Fixed state of one layer, as transformers' modelling code keeps it (elements):
-
-    gated delta net (Qwen3-Next, Qwen 3.5, OLMo hybrid):
-        recurrent  linear_num_value_heads * linear_key_head_dim * linear_value_head_dim
-        conv       (2 * linear_num_key_heads * linear_key_head_dim
-                    + linear_num_value_heads * linear_value_head_dim) * linear_conv_kernel_dim
-    Mamba-2 (Mamba2, Bamba, Granite 4, Falcon-H1, Nemotron-H, Zamba2):
-        recurrent  num_heads * head_dim * state_size
-        conv       (intermediate + 2 * n_groups * state_size) * conv_kernel
-    Mamba (Mamba, Falcon-Mamba, Jamba, Zamba):
-        recurrent  intermediate * state_size;  conv  intermediate * conv_kernel
-    short convolution (LFM2): conv  hidden_size * conv_L_cache
-    lightning attention (MiniMax): recurrent  num_heads * head_dim * head_dim (in the model's dtype)
-
-The recurrent state is float32 (transformers' kernels accumulate it in float32) unless the config names
-`mamba_ssm_cache_dtype` / `mamba_ssm_dtype`; the conv state holds the last `conv_kernel` inputs
-(`LinearAttentionLayer`; vLLM keeps one fewer) in the model's dtype.
+A state layer's fixed state (its shapes and dtypes) is `state_spec.state_shape`'s, the definition the
+cache allocates by; only its mixer's parameter count is the planner's own (`mixer_state`).
 """
 
 from __future__ import annotations
@@ -42,6 +27,8 @@ import math
 from dataclasses import dataclass
 
 from ..kv_spec import LayerSpec, layer_specs
+from ..state_spec import StateShape
+from ..state_spec import MIXERS, state_shape
 from .configs import family
 
 ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention", "chunked_attention", "indexed_attention",
@@ -58,36 +45,6 @@ _STATE_DTYPES = ("float32", "float16", "bfloat16")
 _SLIDING_PATTERNS = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "gemma3": 6, "cohere2": 4, "gemma3n_text": 5,
                      "gemma4_text": 6}
 
-# Which mixer a family's state layers run.
-_MIXERS = {
-    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini", "qwen4_exp_text"),
-                    "gated_delta_net"),
-    **dict.fromkeys(("mamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "zamba2"), "mamba2"),
-    **dict.fromkeys(("mamba", "falcon_mamba", "jamba", "zamba"), "mamba"),
-    **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3"), "short_conv"),
-    "minimax": "lightning",
-}
-# Mamba-2 fields per family: heads, head_dim, state_size, n_groups, conv kernel, expand, intermediate.
-_MAMBA2_FIELDS = {
-    "mamba2": ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "expand", None),
-    "bamba": ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv", "mamba_expand",
-              None),
-    "falcon_h1": ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
-                  "mamba_expand", "mamba_d_ssm"),
-    "nemotron_h": ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "expand", None),
-    "zamba2": ("n_mamba_heads", "mamba_headdim", "mamba_d_state", "mamba_ngroups", "mamba_d_conv", "mamba_expand",
-               None),
-}
-_MAMBA2_FIELDS["granitemoehybrid"] = _MAMBA2_FIELDS["bamba"]
-# Mamba fields per family: expand, state_size, conv kernel, dt rank.
-_MAMBA_FIELDS = {
-    "mamba": ("expand", "state_size", "conv_kernel", "time_step_rank"),
-    "falcon_mamba": ("expand", "state_size", "conv_kernel", "time_step_rank"),
-    "jamba": ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank"),
-    "zamba": ("mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_dt_rank"),
-}
-
-
 @dataclass(frozen=True)
 class MixerState:
     """One state layer's fixed state and parameters.
@@ -95,13 +52,20 @@ class MixerState:
     Attributes:
         recurrent: elements of the recurrent state (in `recurrent_dtype`, None: the model's dtype).
         conv: elements of the convolution state (in the model's dtype).
+        recurrent_dtype: `StateShape.recurrent_dtype`.
         params: the mixer's parameters (in place of attention's in the parameter count).
+        state: the shapes these counts come from (`state_spec.state_shape`).
+        split_params: those of `params` transformers' tensor-parallel plans split over the ranks (the
+            gated delta rule's projections); the rest (convolution, per-head decay, gated norm, and every
+            Mamba mixer, which no plan names) stays whole on every rank.
     """
 
     recurrent: int
     conv: int
     recurrent_dtype: str | None
     params: int
+    state: StateShape | None = None
+    split_params: int = 0
 
 
 def num_layers(c: dict) -> int:
@@ -135,7 +99,7 @@ def layer_kinds(c: dict) -> tuple[str, ...]:
 
 def _family_kinds(c: dict, mt: str | None, n: int) -> list[str]:
     """The layer kinds a family's config class computes when the file names none."""
-    if _MIXERS.get(mt) == "gated_delta_net":
+    if MIXERS.get(mt) == "gated_delta_rule":
         interval = int(c.get("full_attention_interval") or 4)
         return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
     if mt == "jamba":
@@ -220,79 +184,74 @@ def kv_layer_specs(c: dict, kinds: tuple[str, ...]) -> tuple[LayerSpec, ...]:
 
 
 def mixer_state(c: dict, kind: str) -> MixerState | None:
-    """The fixed state of one layer of `kind` ("linear_attention", "conv" or "hybrid"), or None when
-    the planner does not know the family's mixer (or its config lacks a size it needs)."""
+    """The fixed state of one layer of `kind` ("linear_attention", "conv" or "hybrid"): its shapes by
+    `state_spec.state_shape` (the cache's definition), its mixer's parameters by the planner; None when
+    `state_spec` does not know the family's mixer (or its config lacks a size it needs)."""
     mt = family(c.get("model_type"))
-    mixer = "short_conv" if kind == "conv" else _MIXERS.get(mt)
-    hidden = int(c["hidden_size"])
     try:
-        if mixer == "gated_delta_net":
-            return _gated_delta_net(c, hidden)
-        if mixer == "mamba2":
-            return _mamba2(c, hidden, _MAMBA2_FIELDS[mt])
-        if mixer == "mamba":
-            return _mamba(c, hidden, _MAMBA_FIELDS[mt])
-        if mixer == "short_conv":
-            kernel = int(c.get("conv_L_cache") or 3)
-            return MixerState(0, hidden * kernel, None, 4 * hidden * hidden + hidden * kernel)
-        if mixer == "lightning":
-            heads = int(c["num_attention_heads"])
-            head_dim = int(c.get("head_dim") or hidden // heads)
-            return MixerState(heads * head_dim * head_dim, 0, None, 0)  # parameters: counted as attention's
+        state = state_shape({**c, "model_type": mt})
+        # A mixer whose parameters the planner does not count yet (Kimi's delta rule, ZAYA's compressed
+        # convolution) still has its state counted; its weights are left out of the parameter count.
+        params = _MIXER_PARAMS.get(MIXERS[mt], lambda c, hidden, state: 0)(c, int(c["hidden_size"]), state)
     except (KeyError, TypeError, ValueError):
         return None
-    return None
+    # MiniMax's lightning layers keep no conv window: its shape is (), whose product `conv_elements` counts as 1
+    conv = state.conv_elements if any(state.conv) else 0
+    split = _gated_delta_rule_projections(int(c["hidden_size"]), state) if MIXERS[mt] == "gated_delta_rule" else 0
+    return MixerState(state.recurrent_elements, conv, state.recurrent_dtype, params, state, split)
 
 
-def _ssm_dtype(c: dict) -> str:
-    for key in ("mamba_ssm_cache_dtype", "mamba_ssm_dtype"):
-        if c.get(key) in _STATE_DTYPES:
-            return c[key]
-    return "float32"
+def _gated_delta_rule_projections(hidden: int, state: StateShape) -> int:
+    """in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj: what Qwen 3.5's and Qwen3-Next's plans split
+    (`colwise_gather_output`)."""
+    (conv_dim, _), (hv, _, dv) = state.conv[0], state.recurrent[0]
+    return hidden * (conv_dim + hv * dv + 2 * hv) + hv * dv * hidden
 
 
-def _gated_delta_net(c: dict, hidden: int) -> MixerState:
-    hk, hv = int(c["linear_num_key_heads"]), int(c["linear_num_value_heads"])
-    dk, dv = int(c["linear_key_head_dim"]), int(c["linear_value_head_dim"])
-    kernel = int(c["linear_conv_kernel_dim"])
-    conv_dim = 2 * hk * dk + hv * dv
-    # in_proj_qkv, in_proj_z, in_proj_b and in_proj_a (Qwen3-Next fuses them), the depthwise conv,
-    # dt_bias and A_log per value head, the gated norm, out_proj.
-    params = hidden * (conv_dim + hv * dv + 2 * hv) + conv_dim * kernel + 2 * hv + dv + hv * dv * hidden
-    return MixerState(hv * dk * dv, conv_dim * kernel, _ssm_dtype(c), params)
+def _gated_delta_rule_params(c: dict, hidden: int, state: StateShape) -> int:
+    """in_proj_qkv, in_proj_z, in_proj_b and in_proj_a (Qwen3-Next fuses them), the depthwise conv,
+    dt_bias and A_log per value head, the gated norm, out_proj."""
+    (conv_dim, kernel), (hv, _, dv) = state.conv[0], state.recurrent[0]
+    return _gated_delta_rule_projections(hidden, state) + conv_dim * kernel + 2 * hv + dv
 
 
-def _mamba2(c: dict, hidden: int, fields: tuple) -> MixerState:
-    heads_key, head_dim_key, state_key, groups_key, kernel_key, expand_key, inter_key = fields
-    heads, state, kernel = int(c[heads_key]), int(c[state_key]), int(c[kernel_key])
-    groups = int(c.get(groups_key) or 1)
-    head_dim = c.get(head_dim_key)
-    inter = c.get(inter_key) if inter_key else None
-    if inter is None:
-        inter = heads * int(head_dim) if isinstance(head_dim, int) else int(c[expand_key]) * hidden
-    inter = int(inter)
-    head_dim = head_dim if isinstance(head_dim, int) else inter // heads
-    conv_dim = inter + 2 * groups * state
+def _mamba2_params(c: dict, hidden: int, state: StateShape) -> int:
+    """in_proj (gate, conv input, dt), the depthwise conv, dt_bias / A_log / D per head, the gated
+    norm, out_proj."""
+    (conv_dim, kernel), (heads, head_dim, _) = state.conv[0], state.recurrent[0]
+    inter = heads * head_dim
     bias = conv_dim if c.get("use_conv_bias", c.get("mamba_conv_bias", True)) else 0
-    # in_proj (gate, conv input, dt), the depthwise conv, dt_bias / A_log / D per head, the gated norm, out_proj.
     norm = inter if c.get("mamba_rms_norm", True) else 0  # Falcon-H1 may leave the gated norm out
-    params = hidden * (inter + conv_dim + heads) + conv_dim * kernel + bias + 3 * heads + norm + inter * hidden
-    return MixerState(heads * head_dim * state, conv_dim * kernel, _ssm_dtype(c), params)
+    return hidden * (inter + conv_dim + heads) + conv_dim * kernel + bias + 3 * heads + norm + inter * hidden
 
 
-def _mamba(c: dict, hidden: int, fields: tuple) -> MixerState:
-    expand_key, state_key, kernel_key, rank_key = fields
-    inter = c.get("intermediate_size") if family(c.get("model_type")) in ("mamba", "falcon_mamba") else None
-    inter = int(inter or int(c[expand_key]) * hidden)
-    state, kernel = int(c[state_key]), int(c[kernel_key])
-    rank = c.get(rank_key)
+# Mamba's dt rank field per family ("auto": ceil(hidden / 16), as its config class derives it).
+_DT_RANK = {"mamba": "time_step_rank", "falcon_mamba": "time_step_rank", "jamba": "mamba_dt_rank",
+            "zamba": "mamba_dt_rank"}
+
+
+def _mamba_params(c: dict, hidden: int, state: StateShape) -> int:
+    """in_proj (x and gate), the depthwise conv with its bias, x_proj (dt, B, C), dt_proj, A_log, D,
+    out_proj (Jamba: its dt, B and C layernorms too)."""
+    (inter, kernel), d_state = state.conv[0], state.recurrent[0][-1]
+    mt = family(c.get("model_type"))
+    rank = c.get(_DT_RANK[mt])
     rank = math.ceil(hidden / 16) if rank in (None, "auto") else int(rank)
-    # in_proj (x and gate), the depthwise conv with its bias, x_proj (dt, B, C), dt_proj, A_log, D, out_proj.
-    params = (hidden * 2 * inter + inter * kernel + inter + inter * (rank + 2 * state) + rank * inter + inter
-              + inter * state + inter + inter * hidden)
-    if family(c.get("model_type")) == "jamba":
-        params += rank + 2 * state  # its dt, B and C layernorms
-    return MixerState(inter * state, inter * kernel, _ssm_dtype(c), params)
+    params = (hidden * 2 * inter + inter * kernel + inter + inter * (rank + 2 * d_state) + rank * inter + inter
+              + inter * d_state + inter + inter * hidden)
+    if mt == "jamba":
+        params += rank + 2 * d_state
+    return params
+
+
+def _short_conv_params(c: dict, hidden: int, state: StateShape) -> int:
+    """in_proj (B, C, x), out_proj and the depthwise conv."""
+    return 4 * hidden * hidden + hidden * state.conv[0][1]
+
+
+# Per mixer (`state_spec.MIXERS`), its parameters; lightning attention's are counted as attention's.
+_MIXER_PARAMS = {"gated_delta_rule": _gated_delta_rule_params, "mamba2": _mamba2_params, "mamba": _mamba_params,
+                 "short_conv": _short_conv_params, "lightning": lambda c, hidden, state: 0}
 
 
 def model_dtype(c: dict) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import DEFAULT_BLOCK_SIZE, blocks_held, kv_bytes_per_block, kv_layout
-from .kv import kv_bytes_per_token
+from .kv import kv_bytes_per_token, num_state_checkpoints
 from .shape import GB, ModelShape, check_positive, dtype_spec, weight_bytes
 
 
@@ -22,8 +22,9 @@ class Plan:
     sequence holds `blocks_held` blocks per KV group, the equation the cache frees by (a layer that
     reuses another's K/V holds none). A model with
     a fixed state per sequence (linear attention, Mamba) spends `state_bytes_per_seq` of the budget on
-    each sequence besides its blocks; `num_blocks` is then what the budget holds beside the states of
-    `num_seqs_paged` sequences."""
+    each sequence besides its blocks, and as much again on each of `num_state_checkpoints` prefix-cache
+    checkpoints of it (by default one per sequence that fits, the engine's default); `num_blocks` is then
+    what the budget holds beside the states of `num_seqs_paged` sequences and the checkpoints."""
 
     model: str
     memory_bytes: int
@@ -45,6 +46,8 @@ class Plan:
     step_tokens: int = 1
     num_seqs_without_hybrid: int = 0  # the same with every layer keeping every token (enable_hybrid_kv=False)
     state_bytes_per_seq: int = 0
+    num_state_checkpoints: int = 0  # prefix-cache state checkpoints beside the num_seqs_paged sequences
+    state_checkpoint_bytes: int = 0  # num_state_checkpoints * state_bytes_per_seq
     freeing_kinds: tuple = ()  # the layer kinds whose groups free blocks (sliding_attention, chunked_attention)
 
     def to_dict(self) -> dict:
@@ -53,16 +56,20 @@ class Plan:
 
 def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: float = 0.9, seq_len: int,
          block_size: int = DEFAULT_BLOCK_SIZE, max_seq_len: int | None = None, weight_dtype: str = "bfloat16",
-         kv_dtype: str = "bfloat16", kv_budget_bytes: int | None = None, step_tokens: int = 1) -> Plan:
+         kv_dtype: str = "bfloat16", kv_budget_bytes: int | None = None, step_tokens: int = 1,
+         state_checkpoints: int | None = None) -> Plan:
     """How many KV blocks and sequences fit.
 
         kv_budget   = floor(memory_bytes * utilization) - weight_bytes     (or `kv_budget_bytes`)
         num_blocks  = kv_budget // (block_size * kv_bytes_per_layer_token * num_slots)
         per seq     = sum over KV groups of blocks_held(seq_len - step_tokens, group spec, block_size,
                                                          new_tokens=step_tokens)
-        paged       = kv_budget // (per seq * bytes_per_block + state_bytes_per_seq)
-        contiguous  = kv_budget // (max_seq_len * kv_bytes_per_token + state_bytes_per_seq)
+        paged       = the most n with n * (per seq * bytes_per_block + state_bytes_per_seq)
+                                      + checkpoints(n) * state_bytes_per_seq <= kv_budget
+        contiguous  = the same with max_seq_len * kv_bytes_per_token per sequence
                                                                             every sequence reserves max_seq_len
+        checkpoints(n) = `state_checkpoints`, else the engine's default for max_num_seqs = n
+                         (`config.default_max_state_checkpoints`; 0 without a per-sequence state)
 
     `step_tokens`: tokens the step that brings a sequence to `seq_len` writes (1: decoding; a
     prefill chunk while prefilling). A sliding (chunked) group holds its window (chunk) plus that
@@ -107,10 +114,12 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
     if not blocks_per_seq * per_block + state:
         raise ValueError(f"{shape.name} keeps neither K/V nor a state per sequence: nothing to plan")
     kept_tokens = sum(seq_len - spec.first_readable(before) for spec in layout.group_specs)
-    paged = kv_budget_bytes // (blocks_per_seq * per_block + state)
-    num_blocks = (kv_budget_bytes - paged * state) // per_block if per_block else 0
-    contiguous = kv_budget_bytes // (max_seq_len * per_token + state)
-    without_hybrid = kv_budget_bytes // (-(-seq_len // block_size) * block_size * per_token + state)
+    num_state_checkpoints(shape, 1, state_checkpoints)  # checks it
+    fit = lambda per_seq: _fit(shape, kv_budget_bytes, per_seq + state, state_checkpoints)  # noqa: E731
+    paged, checkpoints = fit(blocks_per_seq * per_block)
+    num_blocks = max(0, (kv_budget_bytes - (paged + checkpoints) * state) // per_block) if per_block else 0
+    contiguous = fit(max_seq_len * per_token)[0]
+    without_hybrid = fit(-(-seq_len // block_size) * block_size * per_token)[0]
     return Plan(
         model=shape.name, memory_bytes=memory_bytes, utilization=utilization, weight_bytes=weights,
         kv_budget_bytes=kv_budget_bytes, block_size=block_size, bytes_per_block=per_block, num_blocks=num_blocks,
@@ -120,9 +129,26 @@ def plan(shape: ModelShape, *, memory_bytes: int | None = None, utilization: flo
         contiguous_waste_fraction=1 - seq_len / max_seq_len,
         paged_waste_bytes=paged * (blocks_per_seq * block_size - kept_tokens) * per_block // block_size,
         num_kv_groups=len(layout.groups), step_tokens=step_tokens, num_seqs_without_hybrid=without_hybrid,
-        state_bytes_per_seq=state,
+        state_bytes_per_seq=state, num_state_checkpoints=checkpoints, state_checkpoint_bytes=checkpoints * state,
         freeing_kinds=tuple(dict.fromkeys(s.kind for s in layout.group_specs if s.reach is not None)),
     )
+
+
+def _fit(shape: ModelShape, budget: int, per_seq: int, state_checkpoints: int | None) -> tuple[int, int]:
+    """The most sequences of `per_seq` bytes each that fit `budget` beside the state checkpoints counted
+    for them (`kv.num_state_checkpoints`), and that checkpoint count."""
+    state = shape.state_bytes_per_seq
+    if not state:
+        return budget // per_seq, 0
+    checkpoints = lambda n: num_state_checkpoints(shape, n, state_checkpoints)  # noqa: E731
+    lo, hi = 0, budget // per_seq
+    while lo < hi:  # the cost rises with n (the default checkpoint count does not fall): bisect
+        mid = (lo + hi + 1) // 2
+        if mid * per_seq + checkpoints(mid) * state <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo, checkpoints(lo)
 
 
 class WeightsDoNotFit(ValueError):

@@ -4,7 +4,8 @@ instead of planning sequences for a model that would be refused at load.
 Two sources, the same ones `integrations.load_check` asks at load:
 
 * the config: layer kinds other than `config.SUPPORTED_LAYER_TYPES` (the one definition `hf.support`
-  uses too, `kv_spec.LAYER_KINDS`), cross-attention layers, a model whose every layer reads another
+  uses too, `kv_spec.LAYER_KINDS`), recurrent layers without an attention layer beside them or of a
+  mixer whose state `state_spec` cannot size, cross-attention layers, a model whose every layer reads another
   model's K/V (an assistant drafter), an encoder-decoder, no attention heads
   (`hf.support.check_decoder_supported`, read here from the dict);
 * the model class, which a config cannot show: `NOT_ROUTED` (`hf.support.attention_refusal`: its
@@ -17,15 +18,15 @@ Two sources, the same ones `integrations.load_check` asks at load:
 from __future__ import annotations
 
 from ..config import SUPPORTED_LAYER_TYPES
-from ..kv_spec import kv_sources
+from ..kv_spec import ATTENTION_KINDS, HYBRID, STATE_KINDS, kv_sources
+from ..state_spec import state_shape
 from .configs import family, text_config
 from .layers import MIXERLESS_KINDS, layer_kinds
 
 NOT_ROUTED = frozenset({
-    "big_bird", "blip", "bloom", "cpmant", "deepseek_vl", "deepseek_vl_hybrid", "falcon", "falcon_mamba", "git",
-    "gpt_neo", "gpt_neox_japanese", "janus", "mamba", "mamba2", "megatron-bert", "minicpm_ocr", "minicpmv4_6",
-    "minicpmv4_7", "mpt", "nemotron_h_omni", "openai-gpt", "reformer", "rembert", "roformer", "rwkv", "stablelm",
-    "trocr", "xglm", "xlm", "xlnet", "xlstm",
+    "big_bird", "blip", "bloom", "cpmant", "falcon", "falcon_mamba", "git",
+    "gpt_neo", "gpt_neox_japanese", "mamba", "mamba2", "megatron-bert", "mpt", "openai-gpt", "reformer", "rembert",
+    "roformer", "rwkv", "stablelm", "trocr", "xglm", "xlm", "xlnet", "xlstm",
 })
 CACHED_KV = frozenset({
     "diffllama", "doge", "hrm_text", "idefics", "jetmoe", "kolibri1_1", "pi05",
@@ -62,6 +63,15 @@ def refusal(config: dict) -> str | None:
         listed = " and ".join(f"{n} {kind}" for kind, n in sorted(counts.items()))
         reasons.append(f"{listed} layers (of {len(kinds)}), and hf_paged serves only "
                        f"{', '.join(SUPPORTED_LAYER_TYPES[:-1])} and {SUPPORTED_LAYER_TYPES[-1]} layers")
+    if not counts and any(kind in STATE_KINDS for kind in kinds):
+        if not any(kind in ATTENTION_KINDS + (HYBRID,) for kind in kinds):
+            reasons.append(f"no attention layer (every layer is {' or '.join(sorted(set(kinds)))}): no K/V for paged "
+                           "blocks to hold, nothing for prefix caching to key its state by")
+        else:
+            try:
+                state_shape({**c, "model_type": family(c.get("model_type"))})
+            except ValueError as exc:
+                reasons.append(str(exc))
     if c.get("cross_attention_layers") or config.get("cross_layer_interval") is not None:
         reasons.append("cross-attention layers (K/V of an image or encoder beside the tokens')")
     if kinds:

@@ -98,6 +98,7 @@ class ModelShape:
     num_experts_per_tok: int = 0
     expert_params: int = 0  # one routed expert of one layer
     norm_params: int = 0  # the norms' weights: whole on every tensor-parallel rank
+    whole_mixer_params: int = 0  # state mixers' weights no tensor-parallel plan splits (`MixerState.split_params`)
     layer_kinds: tuple = ()
     recurrent_state_elements: int = 0  # every state layer's, one sequence
     conv_state_elements: int = 0
@@ -246,7 +247,8 @@ class ModelShape:
             kv_lora_rank=int(kv_lora_rank) if kv_lora_rank is not None else None, qk_rope_head_dim=rope,
             num_params=num_params, num_dense_matmul_params=dense + embed,  # + lm_head (tied or not)
             num_moe_layers=num_moe, num_experts=num_experts, num_experts_per_tok=top_k, expert_params=expert,
-            norm_params=norms + hidden, layer_kinds=kinds,
+            norm_params=norms + hidden, whole_mixer_params=sum(s.params - s.split_params for s in sized),
+            layer_kinds=kinds,
             recurrent_state_elements=sum(s.recurrent for s in sized), conv_state_elements=sum(s.conv for s in sized),
             recurrent_state_dtype=recurrent_dtypes.pop() if len(recurrent_dtypes) == 1 else None,
             model_dtype=model_dtype(c), num_unsized_state_layers=len(states) - len(sized),
@@ -273,9 +275,10 @@ class ModelShape:
             raise ValueError(f"tp {tensor_parallel_size} must divide the {self.num_attention_heads} attention heads "
                              f"and {' and '.join(map(str, kv_heads))} KV heads")
         tp = tensor_parallel_size
-        # transformers' TP plans split every matmul (attention, MLP, experts, lm_head) and the embedding
-        # (rowwise over the vocabulary); the norms stay whole on every rank.
-        whole = self.norm_params
+        # transformers' TP plans split every matmul (attention, MLP, experts, lm_head, the gated delta rule's
+        # projections) and the embedding (rowwise over the vocabulary); the norms and the rest of a state
+        # mixer stay whole on every rank.
+        whole = self.norm_params + self.whole_mixer_params
         return replace(self, name=f"{self.name} (one of {tensor_parallel_size} TP ranks)",
                        num_attention_heads=self.num_attention_heads // tensor_parallel_size,
                        num_kv_heads=self.num_kv_heads // tensor_parallel_size,

@@ -18,6 +18,11 @@ a linear-attention, Mamba or short-convolution layer keeps no K/V but a fixed st
     kv_bytes = batch * (sum over K/V layers of min(seq_len, tokens_kept_by_layer) * layer_bytes_per_token
                         + state_bytes_per_seq)
 
+with the state's shapes and dtypes by `state_spec` (the cache's definition). Prefix caching keeps
+checkpoints of that state at block boundaries, each one sequence's state: `kv-size`'s total and `plan`'s
+fit add num_state_checkpoints * state_bytes_per_seq (`kv.num_state_checkpoints`: by default the
+engine's default, one per running sequence).
+
 Decode roofline (one step: every sequence of the batch produces one token):
 
     FLOPs(B)  = B * (2 * active_params + attention_flops(S))
@@ -39,15 +44,15 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .configs import REFERENCE_CONFIG_DIR, load_config, reference_config_names
 from .kv import (KVSize, attention_variants, compare_kv, kv_bytes, kv_bytes_per_layer_token, kv_bytes_per_token,
-                 kv_scale_bytes_per_token, kv_size, tokens_held)
+                 kv_scale_bytes_per_token, kv_size, num_state_checkpoints, tokens_held)
 from .plan import Plan, TPOption, WeightsDoNotFit, plan, smallest_fit, tp_options, tp_sizes
 from .shape import DTYPE_NAMES, GB, GiB, ModelShape, check_positive, dtype_bytes, dtype_spec, weight_bytes
 
 __all__ = ["DTYPE_NAMES", "GB", "GiB", "GPU", "GPU_PRESETS", "REFERENCE_CONFIG_DIR", "KVSize", "ModelShape", "Plan",
            "Roofline", "TPOption", "attention_variants", "compare_kv", "decode_point", "dtype_bytes", "dtype_spec",
            "get_gpu", "kv_bytes", "kv_bytes_per_layer_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
-           "kv_size", "load_config", "plan", "reference_config_names", "roofline", "smallest_fit", "tp_options",
-           "tp_sizes", "weight_bytes", "WeightsDoNotFit"]
+           "kv_size", "load_config", "num_state_checkpoints", "plan", "reference_config_names", "roofline",
+           "smallest_fit", "tp_options", "tp_sizes", "weight_bytes", "WeightsDoNotFit"]
 
 
 # ---------------------------------------------------------------------------------------------- roofline

@@ -12,6 +12,7 @@ import torch
 
 from ..config import MAX_SPECULATIVE_TOKENS, PagedCacheConfig
 from ..hf import check_model_supported
+from ..hf.support import layer_specs_of
 from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 from .shared_kv_drafter import SharedKVDrafterProposer, is_shared_kv_drafter
@@ -48,6 +49,11 @@ def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, nu
         return NgramProposer(lookup_min, lookup_max), num_tokens
     if draft_model is None:
         raise ValueError("speculative_method='draft_model' needs draft_model=")
+    if _has_state(draft_model):
+        raise ValueError(
+            f"a draft model with recurrent layers (model_type={draft_model.config.model_type!r}: Mamba or linear "
+            "attention) is not supported: its drafts cannot be rolled back token by token; use a draft model with "
+            "attention layers only, or speculative_method='ngram'")
     if is_shared_kv_drafter(draft_model):
         if target_model is None or target_kv is None:
             raise ValueError(f"a Gemma 4 assistant ({type(draft_model).__name__}) drafts from its target's K/V: "
@@ -60,3 +66,12 @@ def make_proposer(*, draft_model: torch.nn.Module | None, method: str | None, nu
     return DraftModelProposer(draft_model, num_blocks=blocks, block_size=block_size, kv_cache_dtype=kv.kv_cache_dtype,
                               kv_quant_scheme=kv.kv_quant_scheme, kv_quant_rotation=kv.kv_quant_rotation,
                               enable_hybrid_kv=kv.enable_hybrid_kv), num_tokens
+
+
+def _has_state(model: torch.nn.Module) -> bool:
+    """Whether `model`'s layers keep a per-sequence state (`kv_spec.LayerSpec.state`)."""
+    try:
+        return any(spec.state is not None for spec in layer_specs_of(model.config))
+    except ValueError:
+        return False
+

@@ -343,7 +343,7 @@ class GraphCaptureError(RuntimeError):
 def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torch.device,
                       attention_backend: str | None = None) -> bool:
     """Resolve the Engine's `cuda_graphs` argument: None means on where graphs can run (a CUDA device
-    with the Triton backend, a model without dynamic RoPE), off elsewhere. `attention_backend`: the
+    with the Triton backend, a model without dynamic RoPE or recurrent layers), off elsewhere. `attention_backend`: the
     engine's explicit choice (None: `HF_PAGED_BACKEND`, else auto).
 
     Raises:
@@ -362,9 +362,19 @@ def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torc
     elif has_length_rope(model.config):
         reason = ("CUDA graphs cannot capture length-dependent RoPE (dynamic NTK, longrope: each sequence's "
                   "frequencies are chosen on the host per step)")
+    elif _has_state(model):
+        reason = ("CUDA graphs cannot capture recurrent layers (Mamba, linear attention): their mixers run per "
+                  "sequence over state rows chosen on the host per step")
     if reason is not None and enabled:
         raise ValueError(f"cuda_graphs=True: {reason}")
     return reason is None if enabled is None else bool(enabled)
+
+
+def _has_state(model: torch.nn.Module) -> bool:
+    try:
+        return any(s.state is not None for s in layer_specs_of(model.config))
+    except ValueError:
+        return False
 
 
 def _widest_head(model: torch.nn.Module) -> int:

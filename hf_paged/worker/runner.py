@@ -36,6 +36,8 @@ from ..hf import KVOwner, PagedCache, decoder_of
 from ..hf.linear import enable as enable_fast_linear, fast_linear
 from ..hf.multimodal import ImageEncoder, ImageFeatures, ImageItem, ImageSupport, place
 from ..hf import rope as hf_rope
+from ..hf.mixers import install_mixers
+from ..hf.state import StateStep
 from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class StepInputs:
     rope_positions: torch.Tensor | None = None  # [3, 1, num_tokens] (Qwen-VL)
     rope_lens: list[int] | None = None  # per token, the length its rotary frequencies are for (`core.rope`)
     image_rows: list = field(default_factory=list)  # [(first token of the chunk, (offsets, feature rows))]
+    state: StateStep | None = None  # recurrent layers: each sequence's state row and copies (`hf.state`)
 
 
 class ModelRunner:
@@ -110,6 +113,8 @@ class ModelRunner:
         # What a sequence of this model records when its rotary frequencies follow its length (None: they
         # follow positions alone); the model's rotary modules are hooked to read each step's lengths.
         self.length_rope = hf_rope.install(model)
+        if self.kv.states is not None:  # recurrent mixers run per sequence in packed steps
+            install_mixers(model, self.kv)
         # Wall seconds of the latest forward: building its inputs and metadata, and the model call
         # (for a replay: filling the static inputs, and the replay, plus any capture it needed).
         self.last_metadata_seconds = 0.0
@@ -155,7 +160,8 @@ class ModelRunner:
         placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
         rope = any(c.images is not None and c.images.mrope is not None for c in chunks)  # Qwen-VL's 3-D positions
         self.last_hidden_states = None
-        if self.graphs is not None and not copies and not placed and not rope and self.length_rope is None and all(
+        if self.graphs is not None and not copies and not placed and not rope and self.length_rope is None \
+                and self.kv.states is None and all(
                 len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
             key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
         if key is not None:
@@ -188,7 +194,22 @@ class ModelRunner:
             key_limits=self._key_limits(chunks) if placed else None,
             rope_positions=self._rope_positions(chunks) if rope else None,
             rope_lens=self._rope_lens(chunks) if self.length_rope is not None else None,
-            image_rows=[(starts[i], rows) for i, rows in placed])
+            image_rows=[(starts[i], rows) for i, rows in placed],
+            state=self._state_step(chunks) if self.kv.states is not None else None)
+
+    def _state_step(self, chunks: list[Chunk]) -> StateStep:
+        """The recurrent layers' share of the step, from each sequence's rows (set by the scheduler) and the
+        row copies pending (`StateSlots.pending_copies`); the checkpoints it writes are handed to the owner,
+        published when the step commits."""
+        for c in chunks:
+            if c.seq.state_row is None:
+                raise RuntimeError(f"sequence {c.seq.seq_id} has no state row (it was not admitted by a scheduler "
+                                   "that knows the model's recurrent layers)")
+            self.kv.pending_checkpoints.extend(c.seq.state_checkpoints)
+            c.seq.state_checkpoints = []
+        return StateStep(rows=[c.seq.state_row for c in chunks], has_previous=[c.start > 0 for c in chunks],
+                         q_lens=[len(c.token_ids) for c in chunks], saves=[list(c.seq.state_saves) for c in chunks],
+                         restores=self.kv.state_slots.take_copies())
 
     def run(self, inputs: "StepInputs", new_full_blocks: Sequence[tuple[int, int]] = (),
             began: float | None = None) -> torch.Tensor:  # [len(inputs.keep), vocab]
@@ -198,6 +219,7 @@ class ModelRunner:
             q_lens=inputs.q_lens, seq_lens=inputs.seq_lens, copies=inputs.copies, device=self.device,
             key_limits=inputs.key_limits, group_slots=inputs.group_slots,
             group_block_tables=inputs.group_block_tables, **self.kv.group_layout())
+        meta.state = inputs.state
         ids = host_to_device([inputs.input_ids], torch.long, self.device)  # [1, num_tokens]
         pos = host_to_device([inputs.positions], torch.long, self.device)  # [1, num_tokens]
         if inputs.rope_positions is not None:

@@ -4,7 +4,7 @@
   stock cannot run the shrunk config), as transformers' own model tests for that family set them.
 - `FAMILY_INPUTS`: for a family whose generate needs more than token ids (an image-conditioned decoder,
   an encoder-decoder reading a page), the rows and inputs both sides get. Each row gets its own image,
-  A, B, C, A: rows 0 and 2 share their text, not their image.
+  A, B, C, A, B: rows 0 and 2 share their text, not their image (nor do rows 0 and 1 their first block's).
 - `FAMILY_SETUP`: what a model needs after it is built, before it runs.
 - `FAMILY_TEXT_KEYS`: encoder-decoders whose encoder reads the image only: the rows are the decoder's prompt.
 - `FAMILY_OWN_PAD`: families whose generate passes `pad_token_id` to an inner generate itself.
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 def _images(n_rows, shape):
-    """One image per row, A, B, C, A (rows 0 and 2 share their text, not their image)."""
+    """One image per row, A, B, C, A, B (rows 0 and 2 share their text, not their image)."""
     a, b, c = torch.randn(3, *shape, generator=torch.Generator().manual_seed(0))
-    return torch.stack([a, b, c, a][:n_rows])
+    return torch.stack([a, b, c, a, b][:n_rows])
 
 
 def _square(vision):
@@ -272,6 +272,9 @@ FAMILY_CONFIG: dict[str, dict] = {
     "bailing_hybrid": {"linear_head_dim": 8, "linear_num_heads": 4},
     "kimi_linear": {"linear_head_dim": 16, "linear_num_heads": 4},
     "lfm2_moe": {"layer_types": ["full_attention", "conv"], "num_dense_layers": 1},
+    # LFM2's default config has every layer attend (full_attn_idxs: all): a conv layer too, as its releases have
+    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
+    "lfm2_vl": {"text_config": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]}},
     # a sliding layer and an indexer (sparse, indexed attention): the index and K/V-source layouts of two layers;
     # head_dim 16 for its NVFP4 rounding of keys and values, an indexer head per query head of a key head (4 / 2)
     "kolibri1_1": {"layer_types": ["sliding_attention", "indexed_attention"], "index_layers": [1], "head_dim": 16, "index_num_heads": 2,
@@ -349,9 +352,10 @@ FAMILY_INPUTS: dict = {
     "vision-encoder-decoder": _vision_encoder_decoder_inputs,
     "udop": _udop_inputs,
     "t5gemma2": _t5gemma2_inputs,
-    # a MusicGen prompt is one row per codebook, all of one length
-    "musicgen": lambda config, rows: ([rows[1][i:i + 12] for i in range(config.num_codebooks)], {}),
-    "musicgen_melody": lambda config, rows: ([rows[1][i:i + 12] for i in range(config.num_codebooks)], {}),
+    # a MusicGen prompt is one row per codebook, all of one length (cut from the longest row)
+    "musicgen": lambda config, rows: ([max(rows, key=len)[i:i + 12] for i in range(config.num_codebooks)], {}),
+    "musicgen_melody": lambda config, rows: ([max(rows, key=len)[i:i + 12] for i in range(config.num_codebooks)],
+                                             {}),
     "pp_formulanet": lambda config, rows: (rows, {"pixel_values": _images(len(rows), _square(config.vision_config))}),
 }
 

@@ -5,16 +5,20 @@ builds a tiny random-weight model from that family's own default config, shrunk 
 (`tiny_config`: every size field transformers' configs use, in the config and its sub-configs, set
 small; nothing written per family), sharpens it (`sharpen`: query and key projections x10, so that
 attention is peaked and a position bug shows; windows and chunked attention at 8 tokens, longrope and
-dynamic-NTK thresholds at `ROPE_THRESHOLD`, inside the prompts) and runs it twice with the same weights:
+dynamic-NTK thresholds at `ROPE_THRESHOLD`, inside the prompts; a recurrent mixer's output as large as its
+input, `amplify_mixers`, so that its state matters) and runs it twice with the same weights:
 stock (sdpa, or eager where the class has no sdpa) and hf_paged. A family whose rotary frequencies
 follow the length is compared with stock running each row alone. It checks
 
-- greedy `generate` on a left-padded batch whose first and third rows repeat one prompt (so the prefix
-  cache serves a full block), token for token;
+- greedy `generate` on a left-padded batch whose first and third rows repeat one prompt (the engine runs
+  them as one request's two samples, forked after the prompt) and whose second row starts with the first
+  row's first full block, token for token;
 - a plain forward without a cache (what training and log-likelihood evaluation run), logits close;
 - where the drop-in `generate` ran on the engine, the same call on an engine that prefills in chunks of
   `ENGINE_CHUNK` tokens with a pool one block above the longest row's need (rows preempt one another;
-  rows 0 and 2 share a prompt block), token for token;
+  row 1, admitted after row 0's first chunk, takes row 0's first block from the prefix cache: its K/V,
+  and a recurrent model's state checkpointed at the block's end, which its last prompt token reads),
+  token for token; the tokens served by the prefix cache are listed with the checks;
 - for vision-language models whose image inputs it can build (`image_inputs`: one fixed image size,
   features from the model's own `get_image_features`): three rows with the same text and the same
   image placeholders, images A, B, A, token for token.
@@ -56,6 +60,7 @@ LOGITS_ATOL = 1e-4
 QK_SCALE = 10.0  # query and key projections scaled so that attention is peaked (`sharpen`)
 ROPE_THRESHOLD = 22  # longrope / dynamic NTK switch here: the 20-token rows cross it while generating
 ENGINE_CHUNK = 16  # the engine check's token budget per step: prompts longer than it are prefilled in chunks
+SHARED_BLOCK = 16  # rows 0 and 1 share their first block (hf_paged's default block_size)
 # Module names of query/key projections (fused ones too) and of q/k norms.
 _QK_NORMS = frozenset({"q_norm", "k_norm", "q_layernorm", "k_layernorm", "query_layernorm", "key_layernorm",
                        "q_ln", "k_ln"})
@@ -250,6 +255,57 @@ def sharpen(model: torch.nn.Module, factor: float = QK_SCALE) -> None:
                 bias.mul_(factor)
 
 
+def recurrent_mixers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Linear]]:
+    """(name, module, output projection) of every recurrent mixer: a module of one layer (it has a
+    `layer_idx`) with a causal convolution (a `Conv1d` child: Mamba, gated delta-rule and short-conv
+    mixers keep its window in the cache; or a child of the same layer's with one: ZAYA's attention
+    convolves its queries and keys) and an output projection (`out_proj` or `o_proj`)."""
+    def convolves(module):
+        return any(isinstance(c, torch.nn.Conv1d) for c in module.children())
+
+    found = []
+    for name, module in model.named_modules():
+        idx = getattr(module, "layer_idx", None)
+        if idx is None or not (convolves(module) or any(getattr(c, "layer_idx", None) == idx and convolves(c)
+                                                        for c in module.children())):
+            continue
+        out = next((p for p in (getattr(module, k, None) for k in ("out_proj", "o_proj"))
+                    if isinstance(p, torch.nn.Linear)), None)
+        if out is not None:
+            found.append((name, module, out))
+    return found
+
+
+def amplify_mixers(model: torch.nn.Module, inputs: dict) -> None:
+    """Scale each recurrent mixer's output projection so that, on `inputs` (one forward without a cache),
+    its output is as large (RMS) as its input. At transformers' default initialisation a mixer adds next to
+    nothing to the residual stream (LFM2's gated short convolution about 1e-5 of it), so a state carried
+    wrongly, or not at all, from one chunk or step to the next would change no greedy token."""
+    found = recurrent_mixers(model)
+    if not found:
+        return
+    ratios, hooks = {}, []
+    for name, module, _ in found:
+        def hook(mod, args, kwargs, output, name=name):
+            given = args[0] if args else kwargs.get("hidden_states")
+            got = output[0] if isinstance(output, tuple) else output
+            if isinstance(given, torch.Tensor) and isinstance(got, torch.Tensor) and name not in ratios:
+                ratios[name] = given.float().pow(2).mean().sqrt() / got.float().pow(2).mean().sqrt().clamp_min(1e-30)
+        hooks.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**inputs, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        for name, _, out in found:
+            if name in ratios and math.isfinite(float(ratios[name])):
+                out.weight.mul_(ratios[name])
+                if out.bias is not None:
+                    out.bias.mul_(ratios[name])
+
+
 def fresh_rope(model: torch.nn.Module) -> None:
     """Stock's dynamic-NTK rotary modules remember the longest length seen: a row run alone starts fresh."""
     for module in model.modules():
@@ -272,9 +328,10 @@ def _rows_alone(stock, rows, ids, batch_out, gen, id_key, mask_key) -> torch.Ten
 
 def _engine_check(paged, text: dict, gen: dict, rows: list[list[int]]):
     """The drop-in `generate` on an engine that prefills in chunks of `ENGINE_CHUNK` tokens, with a pool one
-    block above the longest row's need (rows preempt one another; rows 0 and 2 share their prompt's full
-    block through the prefix cache). (sequences, whether a row was preempted), or None where the call
-    is not the engine's."""
+    block above the longest row's need (rows preempt one another; row 1 takes row 0's first block from the
+    prefix cache: its K/V, and a recurrent model's state checkpointed at the block's end). (sequences,
+    whether a row was preempted, prompt tokens served by the prefix cache), or None where the call is not
+    the engine's."""
     from hf_paged import Engine
     from hf_paged.config import PagedCacheConfig
     from hf_paged.hf import PagedCache
@@ -289,11 +346,13 @@ def _engine_check(paged, text: dict, gen: dict, rows: list[list[int]]):
         with torch.no_grad():
             torch.manual_seed(0)
             out = try_engine_generate(paged, None, None, {**text, **gen}, engine=engine)
-        preempted = engine.metrics()["vllm:num_preemptions"] > 0
+        metrics = engine.metrics()
     finally:
         engine.shutdown()
         del paged.hf_paged_cache_config
-    return None if out is None else (_sequences(out), preempted)
+    if out is None:
+        return None
+    return _sequences(out), metrics["vllm:num_preemptions"] > 0, metrics["vllm:prefix_cache_hits"]
 
 
 def _special_ids(config) -> set[int]:
@@ -309,8 +368,10 @@ def _special_ids(config) -> set[int]:
 
 
 def prompts_for(config, vocab: int) -> list[list[int]]:
-    """A repeated 20-token prompt (rows 0 and 2: a full 16-token block for the prefix cache), a 35-token
-    one and a 9-token one, of ordinary ids (no special or placeholder ids)."""
+    """A repeated 20-token prompt (rows 0 and 2); a 17-token one (row 1): the first's first `SHARED_BLOCK`
+    tokens (a full block for the prefix cache) and one more, whose logits read a recurrent model's state
+    (convolution window too) right at the block's end; a 9-token and a 35-token one. Ordinary ids (no
+    special or placeholder ids)."""
     special = _special_ids(config)
     pool = [i for i in range(3, min(vocab, VOCAB_MAX_ID)) if i not in special]
     gen = torch.Generator().manual_seed(0)
@@ -318,8 +379,8 @@ def prompts_for(config, vocab: int) -> list[list[int]]:
     def draw(n):
         return [pool[int(i)] for i in torch.randint(len(pool), (n,), generator=gen)]
 
-    a = draw(20)
-    return [a, draw(35), a, draw(9)]
+    a, b, c = draw(20), draw(35), draw(9)
+    return [a, a[:SHARED_BLOCK] + draw(1), a, c, b]
 
 
 def _left_pad(rows: list[list[int]], pad: int):
@@ -422,6 +483,7 @@ def run_family(model_type: str, mapping: str) -> Outcome:
         gen = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad)
         if model_type in FAMILY_OWN_PAD:
             del gen["pad_token_id"]
+        amplify_mixers(stock, {**text, **extra})
     except Exception as exc:  # noqa: BLE001 - classified, with its reason
         return done("untested", f"stock fails on the tiny config: {type(exc).__name__}: {str(exc)[:160]}")
 
@@ -488,14 +550,15 @@ def run_family(model_type: str, mapping: str) -> Outcome:
                 return done("refused", "engine: " + str(exc), checks)
             return done("crash", f"engine: {type(exc).__name__}: {str(exc)[:280]}", checks)
         if served is not None:
-            got, preempted = served
+            got, preempted, hits = served
             if not torch.equal(got, want):
                 row = int((got != want).any(-1).nonzero()[0])
                 return done("different", f"engine: row {row} {got[row, ids.shape[1]:].tolist()} vs stock "
                                           f"{want[row, ids.shape[1]:].tolist()}", checks)
-            checks.append("engine, preempted" if preempted else "engine")
+            checks.append("engine" + (", preempted" if preempted else "")
+                          + (f", {hits} prefix-cache tokens" if hits else ""))
     if model_type in FAMILY_INPUTS and any(k in extra for k in ("pixel_values", "flattened_patches")):
-        checks.append("images")  # every check above ran with one image per row (A, B, C, A)
+        checks.append("images")  # every check above ran with one image per row (A, B, C, A, B)
     elif mapping != "causal":
         try:  # stock runs the image rows first: a failure there is the builder's or stock's, not ours
             image_ids, image_mask, images = image_inputs(stock, config, rows)
@@ -669,8 +732,8 @@ def _run_quietly(chosen: list[tuple[str, str]], echo: bool) -> list[Outcome]:
             out = run_family(model_type, mapping)
             outcomes.append(out)
             if echo:
-                print(f"{out.kind:10s} {out.seconds:5.2f}s {mapping[:6]:6s} {model_type:28s} {out.detail[:150]}",
-                      flush=True)
+                print(f"{out.kind:10s} {out.seconds:5.2f}s {mapping[:6]:6s} {model_type:28s} "
+                      f"{(out.detail or '; '.join(out.checks))[:150]}", flush=True)
     finally:  # the rest of a test session logs as before
         transformers.logging.set_verbosity(verbosity)
         ours.setLevel(level)

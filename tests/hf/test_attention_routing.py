@@ -259,16 +259,17 @@ def test_a_submodule_whose_attention_class_table_lacks_our_key_is_refused_at_loa
 
 @pytest.mark.parametrize("model_type, layer_type", [("minimax", "linear_attention")])
 def test_layer_types_the_engine_refuses_are_refused_at_load(model_type, layer_type):
-    """MiniMax's linear attention routes attention through the interface, so it used to load with
-    attn_implementation="hf_paged" and be refused only by the first `generate`. The load now gives the
-    engine's own refusal. (Llama 4's chunked attention, refused the same way before issue 54, is served.)"""
+    """MiniMax's linear attention routes attention through the interface, and its config's state has a
+    formula, but its lightning layers keep their state in a cache class of their own (`MiniMaxCache`), not
+    through transformers' linear-attention cache API: the load refuses it, naming that (issue 55)."""
     from family_sweep import family_config
     from hf_paged.hf import check_model_supported
 
     config = family_config(model_type, AutoModelForCausalLM._model_mapping[type(AutoConfig.for_model(model_type))])
-    refusal = rf"model_type='{model_type}': its layer types \['{layer_type}'\] are not plain attention.*'sdpa'"
-    with pytest.raises(ValueError, match=refusal):
-        check_model_supported(config)  # what the engine says
+    assert layer_type in config.get_text_config(decoder=True).layer_types
+    check_model_supported(config)  # the config alone: a state the formulas size
+    refusal = (rf"\(model_type='{model_type}'\): its recurrent layers keep their state outside transformers' "
+               "linear-attention")
     with pytest.raises(ValueError, match=refusal):
         AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="hf_paged")
     model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa")

@@ -26,10 +26,13 @@ MUST = {
                   "phi3", "phimoe",  # with longrope, crossing its threshold (issue 51)
                   # chunked attention; shared K/V across layers and per-layer K/V shapes (issue 54)
                   "llama4", "llama4_text", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
-                  "gemma4_unified_text"],
+                  "gemma4_unified_text",
+                  # recurrent and linear-attention layers beside attention (issue 55)
+                  "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "bamba"],
     "refused": ["mpt", "bloom", "xglm", "gpt_neox_japanese", "stablelm", "mllama", "falcon", "git",
                 "diffllama", "unlimited_ocr", "doge", "jetmoe", "idefics", "dory", "blip",
-                "phi4_multimodal"],  # longrope: stock feeds one token past the threshold (issue 51)
+                "phi4_multimodal",  # longrope: stock feeds one token past the threshold (issue 51)
+                "mamba", "minimax"],  # no attention layer; a state kept outside the cache API (issue 55)
     "fallback": ["florence2", "udop", "t5gemma2", "vision-encoder-decoder", "pp_formulanet"],
 }
 

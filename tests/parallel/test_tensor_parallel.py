@@ -1,7 +1,8 @@
 """Tensor parallelism (`hf_paged.parallel`): a tiny model split over 2 ranks under torchrun (gloo on CPU)
 gives exactly the single-process output through `Engine.generate` and drop-in `generate`, greedy and
 seeded-sampled, with and without preemption, on every rank; each rank's pool holds half the K/V bytes
-per token, as `hf-paged kv-size --tp 2` says."""
+per token, as `hf-paged kv-size --tp 2` says, and a recurrent model (Qwen 3.5's gated delta rule) keeps
+its whole per-sequence state on every rank."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def _launch(model_dir, out, nproc: int = 2) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
 def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
     model_dir = tmp_path / arch
     tiny_model(arch).save_pretrained(model_dir)
@@ -43,6 +44,9 @@ def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
     assert ranks[0]["preemptions"] > 0 and ranks[0]["dropin_steps"] > 0  # the engine preempted; drop-in ran it
     # Each rank's pool holds its half of the KV heads: half the bytes per token, as the planner says.
     assert ranks[0]["bytes_per_token"] == ranks[1]["bytes_per_token"] == single["bytes_per_token"] // 2
+    # A recurrent layer's state is whole on every rank (transformers gathers the mixer's outputs).
+    assert ranks[0]["state_bytes_per_row"] == ranks[1]["state_bytes_per_row"] == single["state_bytes_per_row"]
+    assert (single["state_bytes_per_row"] > 0) == (arch == "qwen3_5")
     planned = subprocess.run([sys.executable, "-m", "hf_paged.cli", "kv-size", str(model_dir / "config.json"),
                               "--tp", "2", "--kv-dtype", "float32", "--json"], capture_output=True, text=True,
                              check=True, cwd=ROOT)

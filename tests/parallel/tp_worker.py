@@ -55,6 +55,9 @@ def run(model) -> dict:
     out["greedy"] = [o.outputs[0].token_ids for o in engine.generate(rows, greedy)]
     out["sampled"] = [o.outputs[0].token_ids for o in engine.generate(rows, sampled)]
     out["bytes_per_token"] = pool_bytes_per_token(engine)
+    # A recurrent model's per-sequence state: transformers' plan gathers its mixers' outputs, so every rank
+    # keeps the whole state (measured on the pool's tensors, one row).
+    out["state_bytes_per_row"] = engine.kv.states.bytes_per_row() if engine.kv.states is not None else 0
     local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]  # a rank's shards
     out["weight_bytes"] = sum(t.numel() * t.element_size() for t in local)
     small, crowded = Engine(model, num_blocks=SMALL_POOL), prompts(SMALL_PROMPT_LENGTHS)

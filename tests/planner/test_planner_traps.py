@@ -29,6 +29,8 @@ QWEN35_TEXT = {
 QWEN35 = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": QWEN35_TEXT}
 # Per gated-delta-net layer: a float32 recurrent state of 48 value heads x 128 x 128, and the last 4
 # inputs of the 2 * 16 * 128 + 48 * 128 conv channels in bfloat16; 48 such layers.
+MAMBA = {"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50280, "state_size": 16,
+         "expand": 2, "conv_kernel": 4}
 QWEN35_STATE = 48 * (48 * 128 * 128 * 4 + (2 * 16 * 128 + 48 * 128) * 4 * 2)
 
 
@@ -63,18 +65,28 @@ def test_kv_size_prints_per_token_kv_and_the_fixed_state(capsys, tmp_path):
     assert row[:4] == ["GQA-4", "4", "bfloat16", "65,536"] and "154,927,104" in row
 
 
-def test_a_model_hf_paged_refuses_is_planned_with_a_note(capsys, tmp_path):
+def test_a_hybrid_model_is_planned_with_its_state_and_checkpoints(capsys, tmp_path):
+    """Qwen 3.5 is served (issue 55): no note; each sequence costs its blocks, its state and one
+    prefix-cache state checkpoint (the default: as many checkpoints as sequences)."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN35))
     rc, out, err = run_cli(capsys, "plan", str(tmp_path), "--gpu", "h100-sxm")
-    assert rc == 0 and not err
-    assert out.splitlines()[0].startswith(
-        "note: hf_paged cannot serve this model yet: 48 linear_attention layers (of 64)")
+    assert rc == 0 and not err and "note:" not in out
     rc, out, _ = run_cli(capsys, "plan", str(tmp_path), "--gpu", "h100-sxm", "--json")
     got = json.loads(out)
-    assert "linear_attention" in got["refusal"] and got["state_bytes_per_seq"] == QWEN35_STATE
-    per_seq = got["blocks_per_seq"] * got["bytes_per_block"] + got["state_bytes_per_seq"]  # blocks and state
+    assert got["refusal"] is None and got["state_bytes_per_seq"] == QWEN35_STATE
+    # blocks, state and checkpoint
+    per_seq = got["blocks_per_seq"] * got["bytes_per_block"] + 2 * got["state_bytes_per_seq"]
     assert got["num_seqs_paged"] == got["kv_budget_bytes"] // per_seq
-    for model in ("llama-3-8b", "gemma-3-4b", "deepseek-v3"):  # models hf_paged serves: no note
+
+
+def test_a_model_hf_paged_refuses_is_planned_with_a_note(capsys, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MAMBA))  # every layer recurrent: nothing to page
+    rc, out, err = run_cli(capsys, "plan", str(tmp_path), "--gpu", "h100-sxm")
+    assert rc == 0 and not err
+    assert out.splitlines()[0].startswith("note: hf_paged cannot serve this model yet: no attention layer")
+    rc, out, _ = run_cli(capsys, "plan", str(tmp_path), "--gpu", "h100-sxm", "--json")
+    assert "no attention layer" in json.loads(out)["refusal"]
+    for model in ("llama-3-8b", "gemma-3-4b", "deepseek-v3", "qwen3.5-27b"):  # models hf_paged serves: no note
         rc, out, _ = run_cli(capsys, "kv-size", model)
         assert rc == 0 and "note:" not in out
 
