@@ -167,6 +167,27 @@ def _waves(state: StateStep, resumes: bool) -> list[list[_Run]]:
     return waves
 
 
+def _batches(state: StateStep, resumes: bool, device: torch.device) -> list[tuple]:
+    """The step's mixer calls, the same in every recurrent layer, so made once per step (kept on `state`):
+    per wave (`_waves`), the runs of one length that all start from a state (or all from zeros), as
+    (length, has_previous, runs, their rows, whether those are consecutive, the packed token index [runs,
+    length] on `device`)."""
+    key = (resumes, str(device))
+    if key not in state.batches:
+        batches = []
+        for wave in _waves(state, resumes):
+            groups: dict[tuple[int, bool], list[_Run]] = {}
+            for r in wave:
+                groups.setdefault((r.stop - r.first, r.has_previous), []).append(r)
+            for (length, has_previous), runs in groups.items():
+                index = torch.tensor([list(range(r.first, r.stop)) for r in runs], device=device)
+                rows = [state.rows[r.seq] for r in runs]
+                consecutive = rows == list(range(rows[0], rows[0] + len(rows)))  # readable as views, no copies
+                batches.append((length, has_previous, runs, rows, consecutive, index))
+        state.batches[key] = batches
+    return state.batches[key]
+
+
 def _per_sequence(forward, layer_idx: int, tiles: bool = False):
     """`forward` run per sequence in packed steps; `tiles`: the mixer calls the gated delta rule's torch
     path, which takes a `chunk_size` (passed on CPU only: the GPU kernels tile themselves)."""
@@ -182,29 +203,23 @@ def _per_sequence(forward, layer_idx: int, tiles: bool = False):
         layer = kv.layers[layer_idx]
         total = hidden_states.shape[1]
         pieces: list[tuple[int, torch.Tensor]] = []  # (first packed token, [1, tokens, hidden])
-        for wave in _waves(state, kv.states.resumes):
-            # Runs of one length, all from a state or all from zeros, go as one batch over gathered rows.
-            groups: dict[tuple[int, bool], list[_Run]] = {}
-            for r in wave:
-                groups.setdefault((r.stop - r.first, r.has_previous), []).append(r)
-            for (length, has_previous), runs in groups.items():
-                index = torch.tensor([list(range(r.first, r.stop)) for r in runs], device=hidden_states.device)
-                chunk = _chunk_size(length) if tiles and hidden_states.device.type == "cpu" else None
-                rows = [state.rows[r.seq] for r in runs]
-                if rows == list(range(rows[0], rows[0] + len(rows))):  # consecutive rows: views, no copies
-                    layer.bind(rows[0], len(rows), has_previous)
-                else:
-                    layer.bind_rows(rows, has_previous)
-                try:
-                    out = forward(_gather(hidden_states, total, index), *[_gather(a, total, index) for a in args],
-                                  **{k: _gather(v, total, index) for k, v in kwargs.items()},
-                                  **({"chunk_size": chunk} if chunk else {}))
-                finally:
-                    layer.write_back()
-                pieces.extend((r.first, _row(out, j)) for j, r in enumerate(runs))
-                saves = [(state.rows[r.seq], r.save) for r in runs if r.save is not None]
-                if saves:
-                    kv.states.copy_rows([a for a, _ in saves], [b for _, b in saves], layer=layer_idx)
+        batches = _batches(state, kv.states.resumes, hidden_states.device)
+        for length, has_previous, runs, rows, consecutive, index in batches:
+            chunk = _chunk_size(length) if tiles and hidden_states.device.type == "cpu" else None
+            if consecutive:
+                layer.bind(rows[0], len(rows), has_previous)
+            else:
+                layer.bind_rows(rows, has_previous)
+            try:
+                out = forward(_gather(hidden_states, total, index), *[_gather(a, total, index) for a in args],
+                              **{k: _gather(v, total, index) for k, v in kwargs.items()},
+                              **({"chunk_size": chunk} if chunk else {}))
+            finally:
+                layer.write_back()
+            pieces.extend((r.first, _row(out, j)) for j, r in enumerate(runs))
+            saves = [(state.rows[r.seq], r.save) for r in runs if r.save is not None]
+            if saves:
+                kv.states.copy_rows([a for a, _ in saves], [b for _, b in saves], layer=layer_idx)
         pieces.sort(key=lambda piece: piece[0])
         return _join([p for _, p in pieces])
 

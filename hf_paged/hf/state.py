@@ -44,6 +44,8 @@ class StateStep:
     q_lens: list[int]
     saves: list[list[tuple[int, int]]] = field(default_factory=list)
     restores: list[tuple[int, int]] = field(default_factory=list)
+    # The mixer calls this step makes (`mixers._batches`), planned once and read by every recurrent layer.
+    batches: dict = field(default_factory=dict, repr=False, compare=False)
 
     def max_row(self) -> int:
         return max([*self.rows, *(r for s in self.saves for _, r in s), *(r for pair in self.restores for r in pair)])
