@@ -249,7 +249,8 @@ def kv_layout(layer_specs: Sequence[SpecLike], *, enable_hybrid_kv: bool = True)
     page_k = page_v = 0
     for g, group in enumerate(groups):
         shape = group.spec.shape
-        k, v = (shape.num_kv_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim_v) if shape else (0, 0)
+        v = shape.num_kv_heads * shape.head_dim_v if shape else 0
+        k = group.spec.kv_elements_per_token - v if shape else 0  # a latent row's K page: latent and indexer key
         for slot, layer in enumerate(group.layers):
             layer_group[layer], layer_slot[layer] = g, slot
             offset_k[layer], offset_v[layer] = slot * k, slot * v

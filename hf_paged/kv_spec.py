@@ -23,6 +23,13 @@ While a step writes `c` tokens, a sliding or chunked layer holds at most `w - 1 
 A layer that reads another layer's K/V (Gemma 3n's and Gemma 4's "reuse" layers) is a `SharedKV`: it
 owns no blocks and no storage and costs nothing; its mask is its own kind's, its K/V its source's.
 
+Multi-head latent attention (DeepSeek V2/V3, Kimi K2, MiniCPM3: a config with `kv_lora_rank`) is a
+`LatentAttention`: it stores one row per token, the compressed latent (`kv_lora_rank`) then the rotary
+key (`qk_rope_head_dim`), as a single K/V "head" that every query head reads (the up-projections are
+absorbed into the query and the output, `hf.latent`), and, for DeepSeek V3.2's indexed sparse
+attention, the indexer's key (`index_head_dim`) after them. Its mask is causal: the indexer picks
+each query's `index_topk` keys at run time, so every earlier token stays readable.
+
 A layer that carries a per-sequence state instead of (or beside) K/V (Mamba, gated delta-rule linear
 attention: a short convolution window and a recurrent state) has a `StateShape`: `LinearState` for a
 layer with the state only, any attention spec with `state=` for a layer with both (Falcon-H1's
@@ -45,9 +52,11 @@ CHUNKED = "chunked_attention"
 LINEAR = "linear_attention"  # a per-sequence state only (Mamba, gated delta rule)
 CONV = "conv"  # a per-sequence convolution window only (LFM2)
 HYBRID = "hybrid"  # full attention and a per-sequence state in one layer (Falcon-H1)
+INDEXED = "indexed_attention"  # latent attention over the top-k keys an indexer picks (DeepSeek V3.2, GLM-5)
+LATENT = "latent_attention"  # hf_paged's kind for an MLA layer (transformers calls it full or indexed)
 NO_CACHE = ("mlp", "moe")  # layers that cache nothing (Nemotron-H)
 # The decoder layer types (transformers' `layer_types` names) a paged cache serves.
-ATTENTION_KINDS = (FULL, SLIDING, CHUNKED)
+ATTENTION_KINDS = (FULL, SLIDING, CHUNKED, INDEXED)
 STATE_KINDS = (LINEAR, CONV, HYBRID)
 LAYER_KINDS = ATTENTION_KINDS + STATE_KINDS + NO_CACHE
 
@@ -219,6 +228,47 @@ class ChunkedLocal(LayerSpec):
 
 
 @dataclass(frozen=True)
+class LatentAttention(LayerSpec):
+    """Multi-head latent attention: per token one row of `shape.head_dim` latent (`kv_lora_rank`)
+    and `shape.head_dim_v` rotary key (`qk_rope_head_dim`), one shared head (`shape.num_kv_heads` 1),
+    then `index_dim` indexer-key elements for indexed sparse attention (0: none).
+
+    Attributes:
+        index_dim: the indexer key's width per token (`index_head_dim`), 0 for plain MLA.
+        index_topk: how many keys each query attends to (`index_topk`), 0 for plain MLA (all).
+    """
+
+    index_dim: int = 0
+    index_topk: int = 0
+    kind = LATENT
+
+    def __post_init__(self):
+        if self.shape is None or self.shape.num_kv_heads != 1:
+            raise ValueError("a latent-attention layer stores one shared latent head: KVShape(1, kv_lora_rank, "
+                             f"qk_rope_head_dim), got {self.shape!r}")
+        for name in ("index_dim", "index_topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if bool(self.index_dim) != bool(self.index_topk):
+            raise ValueError(f"an indexed latent layer needs both index_dim and index_topk, got {self.index_dim} and "
+                             f"{self.index_topk}")
+
+    @property
+    def row_width(self) -> int:
+        """Elements of one token's row: latent, rotary key, indexer key."""
+        return self.shape.head_dim + self.shape.head_dim_v + self.index_dim
+
+    @property
+    def kv_elements_per_token(self) -> int:
+        return self.row_width
+
+    @property
+    def group_key(self) -> tuple:
+        return (self.kind, self.mask, self.shape, self.index_dim)
+
+
+@dataclass(frozen=True)
 class SharedKV(LayerSpec):
     """A layer that attends over layer `source`'s K/V and stores none (Gemma 3n/4 "reuse" layers).
 
@@ -338,8 +388,16 @@ def layer_specs(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> tup
     if any(t in STATE_KINDS for t in types):
         state = state_shape(config)
     specs: list[LayerSpec] = []
+    latent = latent_shape(config, tensor_parallel_size)
     for i, (kind, shape) in enumerate(zip(types, shapes)):
-        if kind == FULL:
+        if latent is not None and kind in (FULL, INDEXED, HYBRID):
+            if kind == HYBRID:
+                raise ValueError(f"layer {i}: a hybrid layer with latent attention is not a kind hf_paged knows")
+            indexed = kind == INDEXED
+            specs.append(LatentAttention(latent, index_dim=_int(config.get("index_head_dim"), "index_head_dim")
+                                         if indexed else 0,
+                                         index_topk=_int(config.get("index_topk"), "index_topk") if indexed else 0))
+        elif kind == FULL:
             specs.append(FullAttention(shape))
         elif kind == HYBRID:
             specs.append(FullAttention(shape, state=state))
@@ -351,12 +409,28 @@ def layer_specs(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> tup
             specs.append(SlidingWindow(shape, window=_int(config.get("sliding_window"), "sliding_window")))
         elif kind == CHUNKED:
             specs.append(ChunkedLocal(shape, chunk=_int(config.get("attention_chunk_size"), "attention_chunk_size")))
+        elif kind == INDEXED:
+            raise ValueError(f"layer {i}: indexed attention needs latent attention (a kv_lora_rank in the config): "
+                             "an indexer's keys are kept beside the latent")
         else:
             raise ValueError(f"layer {i}: layer type {kind!r} is not one a paged cache serves {LAYER_KINDS}")
     for i, source in enumerate(kv_sources(config, types)):
         if source is not None:
             specs[i] = SharedKV(specs[source].shape, source=source, reads=specs[i])
     return tuple(specs)
+
+
+def latent_shape(config: Mapping[str, Any], tensor_parallel_size: int = 1) -> KVShape | None:
+    """The row shape of a multi-head latent attention layer (`kv_lora_rank`, `qk_rope_head_dim`; one
+    shared head, the same on every tensor-parallel rank: transformers splits the query heads and the
+    up-projection, and every rank keeps the whole latent), or None for a model without MLA."""
+    rank = config.get("kv_lora_rank")
+    if rank is None:
+        return None
+    heads = int(config.get("num_attention_heads") or 1)
+    if heads % tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must divide the model's {heads} attention heads")
+    return KVShape(1, _int(rank, "kv_lora_rank"), _int(config.get("qk_rope_head_dim"), "qk_rope_head_dim"))
 
 
 def layer_types(config: Mapping[str, Any]) -> list[str]:

@@ -47,17 +47,18 @@ def greedy_alone(stock, prompts, new_tokens: int) -> list[list[int]]:
     return outs
 
 
-def engine_scenario(stock, paged, block_size: int, new_tokens: int) -> dict:
+def engine_scenario(stock, paged, block_size: int, new_tokens: int, others=(7, 61)) -> dict:
     """The issue's engine check: prefill in chunks of 16 tokens, a pool 4 blocks above the longest
     request's need (requests preempt one another), n-gram speculation (k = 3), and a prompt sharing a
-    48-token prefix with an earlier one; asserts every request's greedy tokens are stock's alone and
+    48-token prefix with an earlier one (and prompts of `others` tokens); asserts every request's greedy
+    tokens are stock's alone and
     that nothing leaks. Returns the figures: tokens the second request was served from the cache,
     preemptions, drafts and accepted drafts."""
     from hf_paged import Engine, SamplingParams
     from hf_paged.hf import PagedCache
 
     shared = random_rows([48], seed=2)[0]
-    prompts = random_rows([5, 30], seed=3, prefix=shared) + random_rows([7, 61], seed=4)
+    prompts = random_rows([5, 30], seed=3, prefix=shared) + random_rows(list(others), seed=4)
     expected = greedy_alone(stock, prompts, new_tokens)
     longest = max(map(len, prompts)) + new_tokens
     tight = PagedCache(paged.config, block_size=block_size).manager.max_blocks_for(longest, 16) + 4

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.llama import LlamaModel
 from transformers.models.deepseek_v2 import DeepseekV2Config
 from transformers.models.deepseek_v3 import DeepseekV3Config
+from transformers.models.deepseek_v32 import DeepseekV32Config
 from transformers.models.gemma2 import Gemma2Config
 from transformers.models.gemma3 import Gemma3TextConfig
 from transformers.models.gpt_oss import GptOssConfig
@@ -110,6 +111,10 @@ _MLA_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_i
 MLA_CONFIGS = {
     "deepseek_v2": lambda: DeepseekV2Config(**_MLA_COMMON, q_lora_rank=None),
     "deepseek_v3": lambda: DeepseekV3Config(**_MLA_COMMON, q_lora_rank=24, n_group=2, topk_group=1),
+    # Indexed sparse attention: each query reads its top 8 keys, fewer than a 20-90-token prompt holds. 16
+    # indexer heads: a key scores exactly 0 (a top-k tie) only if all 16 heads' relu scores are 0.
+    "deepseek_v32": lambda: DeepseekV32Config(**_MLA_COMMON, q_lora_rank=24, n_group=2, topk_group=1, index_topk=8,
+                                              index_n_heads=16, index_head_dim=16),
 }
 
 
@@ -254,3 +259,8 @@ def save_tiny_llama_folder(path):
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def tiny_paged_mla():
+    """The tiny DeepSeek V3 (latent attention) on "hf_paged": a picklable factory for engine workers."""
+    return tiny_mla_model("deepseek_v3", "hf_paged")

@@ -79,6 +79,9 @@ class LayerCall:
     softcap: float | None = None
     sinks: torch.Tensor | None = None  # [num_q_heads]
     scales: KVScales | None = None  # a quantised cache's scales
+    # Latent attention (MLA, absorbed): one K/V head whose V is the first `latent_dim` columns of the same
+    # rows (`value_cache is key_cache[..., :latent_dim]`); the output is [num_tokens, num_q_heads, latent_dim].
+    latent_dim: int | None = None
 
     @property
     def is_strided(self) -> bool:
@@ -120,6 +123,8 @@ class Capabilities:
             checked, the backend runs them and returns no gradient).
         key_limits: whether it runs steps whose queries see past their own position (a step fact,
             checked by `dispatch.plan`).
+        latent_kv: whether it reads latent calls (`LayerCall.latent_dim`: V the prefix of K's rows)
+            itself, whatever their head width and row stride.
     """
 
     devices: frozenset[str] | None
@@ -136,6 +141,7 @@ class Capabilities:
     strided_caches: bool = True
     differentiable: bool | None = True
     key_limits: bool = False
+    latent_kv: bool = False
 
     def refusal(self, call: LayerCall) -> str | None:
         """None when the declaration covers `call`, else what it does not cover, in words."""
@@ -156,10 +162,11 @@ class Capabilities:
                 return f"a {kv_dtype} K/V cache under {query.dtype} queries"
         if call.scales is not None and call.scales.quant.scheme not in self.quant_schemes:
             return f"a quantised cache (kv_quant_scheme={call.scales.quant.scheme!r})"
+        latent = call.latent_dim is not None and self.latent_kv  # its own kernel reads the rows
         head_dim, head_dim_v = key_cache.shape[3], call.value_cache.shape[3]
-        if self.max_head_dim is not None and max(head_dim, head_dim_v) > self.max_head_dim:
+        if not latent and self.max_head_dim is not None and max(head_dim, head_dim_v) > self.max_head_dim:
             return f"head_dim {head_dim} / head_dim_v {head_dim_v} (at most {self.max_head_dim})"
-        if head_dim % self.head_dim_multiple or head_dim_v % self.head_dim_multiple:
+        if not latent and (head_dim % self.head_dim_multiple or head_dim_v % self.head_dim_multiple):
             return f"head_dim {head_dim} / head_dim_v {head_dim_v} (multiples of {self.head_dim_multiple} only)"
         if self.max_block_size is not None and key_cache.shape[1] > self.max_block_size:
             return f"block_size {key_cache.shape[1]} (at most {self.max_block_size})"
@@ -167,7 +174,7 @@ class Capabilities:
             return f"sinks on {device}"
         if call.softcap is not None and not self.softcap:
             return "softcap"
-        if not self.strided_caches and call.is_strided:
+        if not self.strided_caches and call.is_strided and not latent:
             return "a strided (byte-page) K/V cache"
         if self.differentiable is False and call.needs_grad:
             return "a call autograd differentiates"
@@ -247,7 +254,9 @@ class CpuBackend(Backend):
                     "HF_PAGED_BACKEND=torch")
         return None
 
-    def run(self, call: LayerCall, plan: "StepPlan") -> torch.Tensor:
+    def run(self, call: LayerCall, plan: "StepPlan") -> torch.Tensor | None:
+        if call.latent_dim is not None:
+            return cpu_kernel.latent_attention(call, plan.workspace)  # None (a prefill run): the torch path runs it
         return _torch_run(call, plan, native=True)
 
 
@@ -280,7 +289,15 @@ class TritonBackend(Backend):
             return "needs Triton, which is not installed"
         return None
 
-    def run(self, call: LayerCall, plan: "StepPlan") -> torch.Tensor:
+    def run(self, call: LayerCall, plan: "StepPlan") -> torch.Tensor | None:
+        if call.latent_dim is not None:
+            if call.sinks is not None or call.softcap is not None or call.mask.kinds:
+                return None  # the latent kernel is plain causal: the torch path runs the rest
+            from .triton import latent
+
+            return latent.latent_attention(call.query, call.key_cache, call.latent_dim, call.block_tables,
+                                           call.seq_lens, call.cu_seqlens_q, call.max_seqlen_q, call.max_seqlen_k,
+                                           call.scale)
         if call.max_seqlen_q <= MAX_DECODE_QUERY_LEN:
             from .triton import decode
 
@@ -323,11 +340,11 @@ _BUILT_IN = (
     TritonBackend("triton", Capabilities(
         devices=frozenset({"cuda", "cpu"}),  # the CPU under Triton's interpreter only (`unavailable`)
         reads_kv=can_read_kv_dtype, quant_schemes=frozenset({"dynamic", "dynamic_token", "unit"}),
-        max_head_dim=256, differentiable=None), auto_devices=frozenset({"cuda"}), extra_refusal=_triton_refusal),
+        max_head_dim=256, differentiable=None, latent_kv=True), auto_devices=frozenset({"cuda"}), extra_refusal=_triton_refusal),
     CpuBackend("cpu", Capabilities(
         devices=frozenset({"cpu"}), query_dtypes=frozenset({torch.float32}), max_head_dim=cpu_kernel.MAX_HEAD_DIM,
         head_dim_multiple=cpu_kernel.LANES, max_block_size=cpu_kernel.MAX_BLOCK_SIZE, strided_caches=False,
-        differentiable=False), auto_devices=frozenset({"cpu"}), extra_refusal=_cpu_refusal),
+        differentiable=False, latent_kv=True), auto_devices=frozenset({"cpu"}), extra_refusal=_cpu_refusal),
     TorchBackend("torch", Capabilities(
         devices=None, query_dtypes=None, reads_kv=_any_float, mixed_kv_dtypes=True,
         quant_schemes=frozenset({"dynamic", "dynamic_token", "unit", "asymmetric"}), key_limits=True),

@@ -27,9 +27,11 @@ Whenever there is no kernel (no compiler, a failed build, a refused cache, a reb
 does not load), `load()` says why once (a warning; `load_error()` keeps it) and returns None: the
 step then runs on the torch path (`torch_paged`), which is slower and the same up to float rounding.
 
-Owns the build and the ctypes signature; `torch_paged.AttentionPlan` decides which sequences go
+Owns the build and the ctypes signatures; `torch_paged.AttentionPlan` decides which sequences go
 here (`supports`) and checks the step's metadata, `torch_paged.paged_attention` checks each call's
-shapes and calls `attend`, which trusts both checks.
+shapes and calls `attend`, which trusts both checks. Latent attention (absorbed MLA, the "cpu"
+backend's `LayerCall.latent_dim` calls) comes in through `latent_attention`, which checks its call
+itself and hands whatever it does not vouch for back to the torch path.
 """
 
 from __future__ import annotations
@@ -49,10 +51,13 @@ from pathlib import Path
 
 import torch
 
+from ..config import MAX_DECODE_QUERY_LEN
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
 SYMBOL = "hf_paged_attention_f32"
+LATENT_SYMBOL = "hf_paged_latent_attention_f32"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc: MAXC * W, MAXBS)
 MAX_BLOCK_SIZE = 64
@@ -67,9 +72,11 @@ PARALLEL_MIN_BYTES = 1 << 20
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32, _F32,
              _P, _I32, _I32, _P, _P, _P, _I32]
+_LATENT_ARGTYPES = [_P, _I64, _I64, _I32, _P, _I64, _I64, _I32, _P, _I64, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32,
+                    _F32, _I32, _I32, _I32, _P, _P, _P, _I32]
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "fn" -> the ctypes function, or "error" -> why there is none
+_loaded: dict[str, object] = {}  # "fn", "latent" -> the ctypes functions, or "error" -> why there are none
 
 
 class _Refused(RuntimeError):
@@ -192,8 +199,9 @@ def _compile(cc: list[str], flags: tuple[str, ...], library: Path) -> bytes:
     return data
 
 
-def _load(data: bytes, library: Path):
-    """The kernel's function from `data`, the verified bytes of `library`; `_Unusable` if they do not load.
+def _load(data: bytes, library: Path) -> tuple:
+    """The kernel's functions (attention, latent attention) from `data`, the verified bytes of
+    `library`; `_Unusable` if they do not load.
 
     dlopen maps whatever a name holds when it opens it, and keeps the mapping: loading `library` by
     name would load what the name holds then, not the bytes just hashed. So the bytes are written to
@@ -210,16 +218,19 @@ def _load(data: bytes, library: Path):
             raise _Unusable(f"{library} does not load: {err}") from None
     finally:
         os.unlink(private)
-    fn = getattr(lib, SYMBOL, None)
-    if fn is None:
-        raise _Unusable(f"{library} has no symbol {SYMBOL}")
-    fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    return fn
+    functions = []
+    for symbol, argtypes in ((SYMBOL, _ARGTYPES), (LATENT_SYMBOL, _LATENT_ARGTYPES)):
+        fn = getattr(lib, symbol, None)
+        if fn is None:
+            raise _Unusable(f"{library} has no symbol {symbol}")
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        functions.append(fn)
+    return tuple(functions)
 
 
-def _open_kernel():
-    """The kernel's ctypes function: the cached library if it is trusted and verified, else built
-    (once more when the cached one is unusable). Raises when there is none."""
+def _open_kernel() -> tuple:
+    """The kernel's ctypes functions (`_load`): the cached library if it is trusted and verified, else
+    built (once more when the cached one is unusable). Raises when there is none."""
     cc = _compiler()
     folder = _trusted_folder()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout + _machine()
@@ -253,7 +264,7 @@ def load():
     with _lock:
         if "fn" not in _loaded and "error" not in _loaded:
             try:
-                _loaded["fn"] = _open_kernel()
+                _loaded["fn"], _loaded["latent"] = _open_kernel()
             except Exception as err:  # the kernel is an optimisation: no failure of it may stop a forward
                 _loaded["error"] = str(err) or type(err).__name__
                 logger.warning("hf_paged: the CPU attention kernel could not be built or loaded, so attention "
@@ -368,3 +379,114 @@ class ShortRuns:
         self.max_q_len = max(q_lens[i] for i in seqs)
         self.kv_tokens = sum(seq_lens[i] for i in seqs)
         self.num_splits = num_splits(len(seqs), num_blocks)
+
+
+# -- latent attention (absorbed MLA) ------------------------------------------------------------------
+
+LATENT_ROW_TILE = 4  # query rows the kernel computes together (csrc: LRT)
+# Below this many flops (0.1 ms of a core) a latent call runs on one thread; flops: all heads read the same rows.
+LATENT_PARALLEL_MIN_FLOPS = 1 << 23
+
+
+def latent_attention(call, workspace=None) -> torch.Tensor | None:
+    """Absorbed latent attention (MLA) of a decode or verify step on the native kernel, reading the
+    paged rows in place: all query heads of a sequence read one row per token, K its first L + R
+    columns and V its first L, each block once per tile of query rows.
+
+    Args:
+        call: a `backend.LayerCall` with `latent_dim` L: `query` [num_tokens, num_q_heads, L + R]
+            (q_nope through W_UK, then q_rot), `key_cache` [num_blocks, block_size, 1, L + R], a view
+            of the pool's rows (any token and block stride), `value_cache` its first L columns.
+        workspace: the step's scratch (`workspace.Workspace`); None: fresh buffers.
+
+    Returns:
+        [num_tokens, num_q_heads, L] fp32; None for a call it does not take, which the torch path then
+        runs (and which names any error in it): `max_seqlen_q` past MAX_DECODE_QUERY_LEN (prefill),
+        other than fp32 CPU tensors and int32 CPU metadata, a mask, softcap, sinks, quantised cache or
+        autograd, a `value_cache` other than `key_cache`'s prefix, blocks past MAX_BLOCK_SIZE, no
+        kernel, metadata that would read outside the tensors (the kernel checks it before it reads
+        through it). L and R may be any widths (a partial chunk of lanes is read masked).
+
+    Raises:
+        IndexError: a block id the sequences read lies outside the pool.
+    """
+    query, key_cache, value_cache, latent_dim = call.query, call.key_cache, call.value_cache, call.latent_dim
+    metadata = (call.block_tables, call.seq_lens, call.cu_seqlens_q)
+    if (load() is None or "latent" not in _loaded or call.max_seqlen_q > MAX_DECODE_QUERY_LEN or call.needs_grad
+            or call.scales is not None or call.softcap is not None or call.sinks is not None or call.mask.kinds
+            or (query.dim(), key_cache.dim(), value_cache.dim(), call.block_tables.dim()) != (3, 4, 4, 2)
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (query, key_cache, value_cache))
+            or any(t.dtype != torch.int32 or t.device.type != "cpu" for t in metadata)):
+        return None
+    num_tokens, num_q_heads, width = query.shape
+    num_blocks, block_size, num_kv_heads, key_width = key_cache.shape
+    # V is read as K's prefix: only where it is exactly that view.
+    if not (0 < latent_dim <= width == key_width and num_kv_heads == 1 and num_q_heads > 0
+            and 0 < block_size <= MAX_BLOCK_SIZE and key_cache.stride(3) == 1 == value_cache.stride(3)
+            and value_cache.data_ptr() == key_cache.data_ptr() and value_cache.stride()[:2] == key_cache.stride()[:2]
+            and value_cache.shape == (num_blocks, block_size, 1, latent_dim)
+            and call.block_tables.shape[0] == call.seq_lens.numel() == call.cu_seqlens_q.numel() - 1):
+        return None
+    if num_tokens == 0:
+        return query.new_zeros(0, num_q_heads, latent_dim)
+    max_seqlen_k = max(call.max_seqlen_k, 1)
+    flops = 2 * (width + latent_dim) * num_q_heads * num_tokens * max_seqlen_k  # at most
+    threads = torch.get_num_threads() if flops >= LATENT_PARALLEL_MIN_FLOPS else 1
+    splits, heads_per_group = latent_partition(call.seq_lens.numel(), num_q_heads, call.max_seqlen_q,
+                                               -(-max_seqlen_k // block_size), threads)
+    return attend_latent(query, key_cache, latent_dim, *(t.contiguous() for t in metadata), call.max_seqlen_q,
+                         call.scale, splits, heads_per_group, threads, workspace)
+
+
+def latent_partition(num_seqs: int, num_q_heads: int, max_q_len: int, max_blocks: int, threads: int) -> tuple:
+    """(key splits per sequence, query heads per group) of a latent call: whole sequences when there
+    are enough for every thread, else their keys split (a row is still read once), then their heads
+    grouped (each group reads the rows again) while there are too few blocks to split."""
+    want = ITEMS_PER_THREAD * threads
+    if threads == 1 or num_seqs >= want:
+        return 1, num_q_heads
+    splits = max(1, min(-(-want // num_seqs), max_blocks // MIN_BLOCKS_PER_SPLIT))
+    groups = max(1, min(-(-want // (num_seqs * splits)), num_q_heads * max_q_len // LATENT_ROW_TILE, num_q_heads))
+    return splits, -(-num_q_heads // groups)
+
+
+def attend_latent(
+    query: torch.Tensor,  # [T, Hq, L + R] fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, 1, L + R] fp32, last dim contiguous: the rows
+    latent_dim: int,  # L: V is key_cache[..., :L]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32, last dim contiguous
+    seq_lens: torch.Tensor,  # [S] int32 contiguous
+    cu_seqlens_q: torch.Tensor,  # [S + 1] int32 contiguous
+    max_q_len: int,
+    scale: float,
+    num_splits: int = 1,  # key splits per sequence
+    heads_per_group: int | None = None,  # None: every head in one group
+    threads: int = 1,
+    workspace=None,
+) -> torch.Tensor | None:  # [T, Hq, L] fp32
+    """The latent kernel's call on tensors of the dtypes, shapes and strides above (not checked here).
+    The kernel checks the metadata against them before it reads through it: None where it would read
+    outside them (a run longer than `max_q_len` or its sequence, a table row too short, `cu_seqlens_q`
+    not ending at T), an IndexError for a block id outside the pool."""
+    num_tokens, num_q_heads, width = query.shape
+    query = query if query.stride(2) == 1 else query.contiguous()
+    heads_per_group = min(heads_per_group or num_q_heads, num_q_heads)
+    items = block_tables.shape[0] * -(-num_q_heads // heads_per_group) * num_splits
+    max_rows = max(1, max_q_len * heads_per_group)
+    padded = -(-latent_dim // LANES) * LANES  # a partial output row is whole chunks of lanes
+    shapes = {"latent_ml": (items, 2, max_rows), "latent_acc": (items, max_rows, padded)}
+    part_ml, part_acc = (workspace.get(name, shape, torch.float32, query.device) if workspace is not None
+                         else torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items())
+    out = query.new_empty(num_tokens, num_q_heads, latent_dim)
+    status = _loaded["latent"](
+        query.data_ptr(), query.stride(0), query.stride(1), num_tokens, key_cache.data_ptr(), key_cache.stride(0),
+        key_cache.stride(1), key_cache.shape[0], block_tables.data_ptr(), block_tables.stride(0),
+        block_tables.shape[1], seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), block_tables.shape[0], num_q_heads,
+        latent_dim, width - latent_dim, key_cache.shape[1], float(scale), num_splits, heads_per_group, max_rows,
+        part_ml.data_ptr(), part_acc.data_ptr(), out.data_ptr(), threads)
+    if status == -3:  # as the native path of `torch_paged.paged_attention` says it
+        raise IndexError(f"paged_attention: the block tables name a block outside the pool of {key_cache.shape[0]} "
+                         "blocks")
+    if status != 0:
+        return None  # the torch path names what is wrong
+    return out

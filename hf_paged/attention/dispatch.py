@@ -145,7 +145,7 @@ def store_kv(key, value, key_cache, value_cache, slot_mapping, has_skipped_slots
 
 def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
                     max_seqlen_k, scale, sliding_window=None, softcap=None, sinks=None, plan=None, scales=None,
-                    chunk_size=None):
+                    chunk_size=None, latent_dim=None):
     """Varlen causal attention over paged K/V: FlashInfer's `run`. See `torch_paged.paged_attention`
     for the contract.
 
@@ -157,6 +157,8 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
             split count, tuned config, scratch) the first layer of this kind made, are used as
             planned. None: this call plans for itself.
         scales: a quantised cache's `kv_quant.KVScales` (K/V are dequantised as they are read).
+        latent_dim: latent attention (absorbed MLA): `value_cache` is `key_cache[..., :latent_dim]`,
+            the same rows (`backend.LayerCall.latent_dim`).
 
     Raises:
         ValueError: no backend of the step takes this layer (naming what it lacks), before any kernel runs.
@@ -166,7 +168,7 @@ def paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_se
     rotated = scales is not None and scales.quant.rotate
     call = LayerCall(rotate(query) if rotated else query, key_cache, value_cache, block_tables, seq_lens,
                      cu_seqlens_q, max_seqlen_q, max_seqlen_k, scale, mask_rule(sliding_window, chunk_size),
-                     softcap, sinks, scales)
+                     softcap, sinks, scales, latent_dim)
     out = run(call, plan)
     return rotate(out) if rotated else out
 

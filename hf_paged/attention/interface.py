@@ -33,7 +33,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from . import dispatch
+from .latent import absorb_query, absorb_refusal, expand_output, is_latent_call
 from .metadata import PAGED, StepMetadata
+from .sparse import sparse_latent_attention
 
 ATTN_IMPLEMENTATION = "hf_paged"
 
@@ -109,6 +111,14 @@ def note_paged_write(keys: torch.Tensor | None, values: torch.Tensor | None = No
     written[0][layer_idx] = written[2] = (weakref.ref(keys), weakref.ref(values))
 
 
+def is_paged_blocks(key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether `key`/`value` are the blocks the cache handed out last in this thread's PAGED step (a
+    latent-attention module's `expand_kv` passes them on unexpanded: `hf.latent`)."""
+    written = getattr(_pending, "written", None)
+    last = written[2] if written is not None else None
+    return last is not None and key is last[0]() and value is last[1]()
+
+
 def paged_mask(**kwargs) -> "LazyMask | torch.Tensor | None":
     """Mask function registered under "hf_paged": defer while a paged step runs (it needs no mask);
     otherwise sdpa's own mask (a tensor, or None for plain causal attention without padding)."""
@@ -131,9 +141,15 @@ def paged_attention_forward(
     paged_metadata: StepMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # ([batch, q_len, num_q_heads, head_dim], weights)
-    """The function registered as "hf_paged" in `AttentionInterface`. See the module docstring."""
+    """The function registered as "hf_paged" in `AttentionInterface`. See the module docstring.
+
+    `indices` (keyword, indexed sparse attention: DeepSeek V3.2, GLM-5): `[batch, q_len, W]` int key
+    positions the layer's indexer picked per query (-1: none). A paged step attends over those keys'
+    latent rows only (`sparse`); a dense call masks every other key, as transformers' eager and sdpa do.
+    """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    indices = kwargs.pop("indices", None)
     if paged_metadata is not None and paged_metadata.mode == PAGED:
         if dropout:
             raise ValueError(
@@ -177,6 +193,22 @@ def paged_attention_forward(
         if meta.num_columns == 0 and getattr(module, "attn_temperature_tuning", False) \
                 and not getattr(module, "use_rope", True):
             query = _packed_temperature(module, query, meta)
+        latent_dim = value.shape[-1] if is_latent_call(module, key, value) else None
+        if latent_dim is not None:  # latent rows: the up-projection absorbed into the query (`latent`)
+            why = absorb_refusal(module)
+            if why is not None:
+                raise UnsupportedModelError(why)
+            query = absorb_query(module, query)
+        if indices is not None:
+            if latent_dim is None:
+                raise UnsupportedModelError(
+                    f"hf_paged: {type(module).__name__} passes its attention indexer top-k indices over K/V that are "
+                    "not latent rows; paged sparse attention reads latent rows only: load it with "
+                    "attn_implementation='sdpa'")
+            out = sparse_latent_attention(query, key, meta.block_tables_of(group), meta.cu_seqlens_q,
+                                          meta.pack(indices.unsqueeze(1))[:, 0], scaling, latent_dim,
+                                          sinks=s_aux, softcap=softcap)
+            return meta.unpack(expand_output(module, out)), None
         out = dispatch.paged_attention(
             query,
             key,
@@ -193,7 +225,10 @@ def paged_attention_forward(
             plan=meta.plan,
             scales=scales,
             chunk_size=chunk_size,
+            latent_dim=latent_dim,
         )
+        if latent_dim is not None:
+            out = expand_output(module, out)
         return meta.unpack(out), None
     written = getattr(_pending, "written", None)
     if written is not None and any(key is k() for k, _ in written[0].values()):
@@ -203,7 +238,7 @@ def paged_attention_forward(
             "attn_implementation='hf_paged' cannot serve it; load it with attn_implementation='sdpa' or 'eager'"
         )
     return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
-                            s_aux, **kwargs)
+                            s_aux, indices=indices, **kwargs)
 
 
 def _packed_temperature(module, query: torch.Tensor, meta: StepMetadata) -> torch.Tensor:  # [num_tokens, heads, dim]
@@ -264,7 +299,7 @@ def _layer_mask(meta: StepMetadata, layer_idx: int | None, group: int,
 
 
 def _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap, s_aux,
-                     **kwargs):
+                     indices=None, **kwargs):
     needs_eager = softcap is not None or s_aux is not None or kwargs.get("output_attentions", False)
     if needs_eager:
         if isinstance(attention_mask, LazyMask):
@@ -272,6 +307,8 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         else:
             mask = _additive_mask(attention_mask, query, key, sliding_window, getattr(module, "is_causal", True),
                                   _chunk_of(module))
+        if indices is not None:
+            mask = _keep_indexed(mask, indices, query, key)
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", _eager_attention)
         extra = {"softcap": softcap} if softcap is not None else {}
         if s_aux is not None:
@@ -283,7 +320,30 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         # The model kept only the last queries (Gemma 4's KV-sharing layers, `logits_to_keep`) where sdpa's
         # mask was skipped: sdpa's own `is_causal` would align them top-left; they are the last positions.
         mask = _additive_mask(None, query, key, sliding_window, True, _chunk_of(module))
+    if indices is not None:
+        mask = _keep_indexed(mask, indices, query, key)
     return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _keep_indexed(mask, indices: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """`mask` with every key the indexer did not pick for a query masked out, as transformers' DSA
+    attention does for eager and sdpa (scatter the top-k into a bool mask; AND a bool mask, fill a float
+    one with the dtype's min). `indices`: [batch, q_len, W] key columns, -1 (none) ignored; a None mask
+    (sdpa's causal skip) is the causal mask."""
+    batch, q_len, kv_len = query.shape[0], query.shape[2], key.shape[2]
+    if indices.dim() != 3 or indices.shape[1] != q_len or indices.shape[0] not in (1, batch):
+        raise ValueError(f"hf_paged: indices of shape {tuple(indices.shape)} for {batch} rows of {q_len} queries; "
+                         "the indexer's top-k is [batch, q_len, topk]")
+    columns = indices.long().to(query.device)
+    columns = columns.masked_fill(columns < 0, kv_len)  # -1 lands in a spare column, dropped below
+    picked = torch.zeros(indices.shape[0], q_len, kv_len + 1, dtype=torch.bool, device=query.device)
+    not_picked = ~picked.scatter_(-1, columns, True)[..., :kv_len].unsqueeze(1)  # [batch, 1, q_len, kv_len]
+    if mask is None:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
+        mask = (torch.arange(kv_len, device=query.device)[None, :] <= q_pos)[None, None]
+    if mask.dtype == torch.bool:
+        return mask & ~not_picked
+    return mask.masked_fill(not_picked, torch.finfo(query.dtype).min)
 
 
 def _chunk_of(module) -> int | None:

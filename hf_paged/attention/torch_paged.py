@@ -354,7 +354,10 @@ def paged_attention(
                 mask = group.mask(sliding_window, chunk_size)[..., :k.shape[2]]  # [Sg, Qmax, K]
             if softcap is not None or sinks is not None:
                 o = _attention_math(q.transpose(1, 2), k, v, mask, scale, softcap, sinks).transpose(1, 2)
-            elif mask is None and group.max_seqlen_q == 1:  # decode over every key: sdpa's own GQA
+            elif mask is None and group.max_seqlen_q == 1 and (group_size == 1 or q.is_cuda):
+                # decode over every key: sdpa's own GQA (on the CPU it copies K/V per query head, and
+                # its math path is slower there than folding the heads into the query rows: 15x at
+                # MLA's 1 latent head for 8 query heads, benchmarks/latent.py)
                 o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, scale=scale,
                                                    enable_gqa=group_size > 1).transpose(1, 2)
             else:

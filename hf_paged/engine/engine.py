@@ -37,7 +37,6 @@ from ..config import (DEFAULT_GRAMMAR_CACHE_BYTES, DEFAULT_GRAMMAR_COMPILE_TIMEO
 from ..core import KVSequence, Scheduler
 from ..hf import PagedCache, check_attention_routed, check_model_supported, invalidate, weights_fingerprint
 from ..hf.rope import default_max_model_len
-from ..hf.support import check_paged_attention_supported
 from ..sampling_params import SamplingParams
 from ..spec_decode import make_proposer
 from ..worker import ModelRunner
@@ -140,7 +139,6 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
     ):
         check_model_supported(model.config)
         check_attention_routed(model)  # every decoder layer calls the "hf_paged" function with the step
-        check_paged_attention_supported(model.config)  # packed steps need attention over the blocks
         Scheduler.check_limits(max_num_seqs, max_num_batched_tokens)
         if model.config._attn_implementation != ATTN_IMPLEMENTATION:
             model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -25,8 +25,8 @@ holds it and one pool serves them all.
 Sequences that share a prompt share its full blocks (prefix caching, hash-chained) and forks share
 everything until one of them writes (copy-on-write). K and V keep the head widths of the states the
 model stores: multi-head latent attention (DeepSeek-V2/V3) stores its `kv_lora_rank`-wide latent and
-`qk_rope_head_dim`-wide rotary key, one head each, and runs dense attention over them (see
-`support.has_latent_kv`).
+`qk_rope_head_dim`-wide rotary key as one row per token (`layer.LatentLayer`), which paged steps
+read in place with the up-projections absorbed (`hf.latent`).
 
 This class is the only transformers `Cache` of hf_paged, and a thin adapter: it implements the Cache
 API (update, lengths, crop, beam reordering, reset) over one `KVOwner` (`kv_owner.py`), which owns
@@ -42,8 +42,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from ..attention.interface import UnsupportedModelError
 from ..attention.metadata import DENSE, PAGED, StepMetadata, build_step_metadata
 from ..attention import dispatch
+from ..attention.sparse import write_index_keys
 from ..attention.torch_paged import gather_dense
 from ..config import PagedCacheConfig
 from ..core import KVSequence
@@ -66,8 +68,8 @@ class PagedCache(Cache):
     With `attn_implementation="hf_paged"` attention reads K/V straight from the blocks. With any other
     implementation `update()` returns the gathered, contiguous `[batch, kv_heads, kv_len, head_dim]`
     K/V that implementation expects (correct, slower). Models with multi-head latent attention
-    (`support.has_latent_kv`) always take the dense path: they expand the cached latents inside their
-    attention module, so no kernel could read the blocks; the cache still stores only the latents.
+    (`support.has_latent_kv`) store one row of latents per token; paged steps attend over the rows
+    with the up-projections absorbed (`hf.latent`), dense ones hand the model the latents to expand.
 
     Padding is never stored when the forward goes through a model attached with `hf_paged.attach`
     (which `generate` does automatically): pad columns get slot -1. Rows must be left-padded, the
@@ -160,7 +162,8 @@ class PagedCache(Cache):
                 dimension may differ from K's: each keeps its own width).
 
         Returns:
-            PAGED steps: the layer's `[num_blocks, block_size, num_kv_heads, head_dim]` K and V blocks.
+            PAGED steps: the layer's `[num_blocks, block_size, num_kv_heads, head_dim]` K and V blocks
+                (a latent-attention layer's: its rows `[.., 1, L + R]` and their latent columns).
             DENSE steps: gathered `[batch, num_kv_heads, kv_len, head_dim]` K and V, zero at padding.
         """
         step = self.kv.step
@@ -173,7 +176,7 @@ class PagedCache(Cache):
             self._num_columns = step.num_columns
         layer = self.kv.write(layer_idx, key_states, value_states, step)
         if step.mode == PAGED:
-            return layer.keys, layer.values
+            return layer.paged_kv()
         first_kept = None  # read by gather_dense only when it builds the group's index (once per step)
         index = step.dense_index.get(layer.group)
         layout = self.kv.layout
@@ -183,6 +186,45 @@ class PagedCache(Cache):
             first_kept = [seq.num_released[layer.group] * self.block_size for seq in self.seqs]
         return gather_dense(layer.keys, layer.values, step, key_states.dtype, scales=layer.scales, group=layer.group,
                             first_kept=first_kept)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Store this step's indexer keys for `layer_idx` (indexed sparse attention: DeepSeek V3.2, GLM-5)
+        beside its latents, and return what the indexer scores against. Called after the layer's `update`
+        in the same forward (transformers' `Cache.update_indexer`, `DynamicIndexedLayer`).
+
+        Args:
+            indexer_key_states: [batch, q_len, index_head_dim] new indexer keys.
+
+        Returns:
+            The gathered `[batch, kv_len, index_head_dim]` keys of every column, zero at padding (a dense
+            step; in paged steps the installed indexers run per sequence, `hf.indexer`, and keep their keys).
+
+        Raises:
+            ValueError: the layer stores no indexer keys, or its `update` has not run in this forward.
+            UnsupportedModelError: a paged step (an indexer hf_paged did not install).
+        """
+        step = self.kv.step
+        if step is None or layer_idx not in step.layers_done:
+            raise ValueError(f"hf_paged: update_indexer for layer {layer_idx} before its update in this forward; "
+                             "PagedCache stores the indexer keys beside the latents cache.update just wrote")
+        layer = self.kv.layers[layer_idx]
+        index_keys = getattr(layer, "index_keys", None)
+        if index_keys is None:
+            raise ValueError(f"hf_paged: layer {layer_idx} keeps no indexer keys (its config does not make it an "
+                             "indexed_attention layer with index_head_dim), but the model called update_indexer")
+        if indexer_key_states.dim() != 3 or indexer_key_states.shape[-1] != index_keys.shape[-1]:
+            raise ValueError(f"hf_paged: update_indexer got {tuple(indexer_key_states.shape)} keys; layer {layer_idx} "
+                             "takes "
+                             f"[batch, q_len, {index_keys.shape[-1]}]")
+        if step.mode == PAGED:  # the installed indexers keep their keys themselves (`hf.indexer`)
+            raise UnsupportedModelError(
+                f"hf_paged: layer {layer_idx}'s indexer called update_indexer in a paged step, but it is not a module "
+                "hf_paged runs per sequence (an attention module's `indexer` naming index_topk); load the model "
+                "with attn_implementation='sdpa'")
+        packed = step.pack(indexer_key_states.unsqueeze(1))[:, 0]  # [num_tokens, I]: the tokens update wrote
+        write_index_keys(index_keys, step.slot_mapping_of(layer.group).to(layer.device), packed)
+        keys, _ = gather_dense(index_keys, index_keys[..., :0], step, indexer_key_states.dtype, group=layer.group)
+        return keys[:, 0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row `i` continues old row `beam_idx[i]`; repeated rows share blocks (CoW)."""
@@ -249,8 +291,7 @@ class PagedCache(Cache):
         """Allocate slots for one forward of a padded `[batch_size, q_len]` batch and build its metadata.
 
         Args:
-            mode: PAGED (attention reads blocks) or DENSE (update returns gathered K/V). A model with
-                latent attention (`has_latent_kv`) always gets DENSE: it expands the latents itself.
+            mode: PAGED (attention reads blocks) or DENSE (update returns gathered K/V).
             input_ids: [batch_size, q_len] token ids, for prefix caching; None when unknown.
             attention_mask: [batch_size, past + q_len] 2D padding mask (1 = real token), or None.
             row_keys: per row, what its new sequence's block hashes are also salted with (the digest of
@@ -273,8 +314,6 @@ class PagedCache(Cache):
                 f"the PagedCache holds {len(self.seqs)} sequences but this forward has batch size {batch_size}; "
                 "call cache.reset() before reusing it for another batch"
             )
-        if kv.has_latent_kv:
-            mode = DENSE
         if mode == PAGED and kv.kv_dtype is not None:
             dispatch.check_kv_cache_dtype(dtype, kv.kv_dtype, device, kv.cache_config.kv_quant_scheme)
         seqs = self.seqs or [kv.new_sequence(for_paged_steps=False) for _ in range(batch_size)]

@@ -49,15 +49,15 @@ from ..attention.torch_paged import Workspace
 from ..config import PagedCacheConfig, kv_bytes_per_token_layer, kv_layout
 from ..core import BlockManager, BlockPool, KVSequence
 from ..core.state_slots import StateSlots
-from ..kv_spec import FullAttention, NoCache, state_specs
+from ..kv_spec import FullAttention, LatentAttention, NoCache, state_specs
 from ..state_spec import MIXERS
 from . import kv_transfer, pool_sizing
 from .kept import KeptSequences
-from .layer import DummyLayer, PagedLayer, SharedLayer
+from .layer import DummyLayer, LatentLayer, PagedLayer, SharedLayer
 from .state import PagedStateLayer, StateLayer, StateStore
 from .pages import PageBuffers
 from .rope import has_length_rope
-from .support import (check_model_supported, check_paged_attention_supported, has_latent_kv, kv_head_shapes,
+from .support import (check_model_supported, has_latent_kv, kv_head_shapes,
                       layer_specs_of)
 from .weights import WeightsEpoch
 
@@ -93,6 +93,10 @@ class KVOwner(KeptSequences):
                                          rotate=self.cache_config.kv_quant_rotation) if spec.is_quantized else None)
         self.model_config = config
         self.has_latent_kv = has_latent_kv(config)
+        # Whether latent layers keep one row per token (`LatentLayer`) that paged steps read absorbed; a
+        # quantised cache keeps their latent and rotary key as a quantised K and V instead, which only
+        # dense steps read (the module expands the dequantised latents, as before absorption existed).
+        self.latent_rows = self.has_latent_kv and not spec.is_quantized
         self._build_layers(config, lookback)
         # (num_kv_heads, head_dim, head_dim_v) of this rank, when every layer has one (else the pages have theirs)
         self._config_kv_shapes = (kv_head_shapes(config, self.cache_config.tensor_parallel_size)
@@ -141,6 +145,12 @@ class KVOwner(KeptSequences):
         layout = self.layout
         where = (spec, layout.layer_group[i], layout.layer_slot[i],
                  *((layout.layer_offset_k[i], layout.layer_offset_v[i]) if self.pages is not None else ()))
+        if isinstance(spec, LatentAttention) and self.latent_rows:
+            return LatentLayer(self, *where)
+        if isinstance(spec, LatentAttention) and spec.index_dim:
+            raise ValueError(f"hf_paged: kv_cache_dtype={self.cache_config.kv_cache_dtype!r} with indexed sparse "
+                             "attention (DeepSeek V3.2: its indexer keys live in the latent rows, which are not "
+                             "quantised) is not supported; use kv_cache_dtype='auto'")
         if spec.owns_kv:
             return PagedLayer(self, *where) if spec.state is None else PagedStateLayer(self, self.states, i, *where)
         if spec.state is not None:
@@ -202,7 +212,7 @@ class KVOwner(KeptSequences):
                 transfer does not move.
         """
         kv_transfer.check_transferable_layout(self)
-        return sum(layer.keys[0, 0].numel() + layer.values[0, 0].numel() for layer in self.slot_owners())
+        return sum(t[0, 0].numel() for layer in self.slot_owners() for t in layer.payload())
 
     def bytes_per_block(self, dtype: torch.dtype | None = None) -> int:
         """Bytes of K and V one block takes across all layers: measured once every layer holds its
@@ -217,6 +227,10 @@ class KVOwner(KeptSequences):
         if len(owners) == self.layout.num_slots:
             return sum(layer.bytes_per_block() for layer in owners)
         itemsize = torch.empty(0, dtype=dtype or torch.float32).element_size()
+        if self.latent_rows:  # one row per token and layer: latent, rotary key (and indexer key)
+            itemsize = self.cache_config.kv_dtype.itemsize or itemsize
+            widths = {layer.slot: layer.spec.kv_elements_per_token for layer in self.storage_layers}
+            return self.block_size * itemsize * sum(widths.values())
         num_kv_heads, head_dim, head_dim_v = self._config_kv_shapes
         per_token = kv_bytes_per_token_layer(num_kv_heads, head_dim, head_dim_v, self.cache_config.kv_dtype,
                                              self.cache_config.kv_quant_scheme, itemsize)
@@ -250,11 +264,8 @@ class KVOwner(KeptSequences):
         sequences and their block tables); applies its copy-on-write copies first.
 
         Raises:
-            ValueError: a PAGED step for a model whose attention cannot read the blocks (latent attention).
             RuntimeError: the previous step's forward did not finish.
         """
-        if step.mode == PAGED and self.has_latent_kv:
-            check_paged_attention_supported(self.model_config)  # raises: the kernels cannot read latents
         if self.step_is_unfinished():
             self.step = None
             raise RuntimeError("the previous forward with this PagedCache did not finish (it raised?)")
@@ -303,7 +314,7 @@ class KVOwner(KeptSequences):
         dispatch.store_kv(step.pack(key_states), step.pack(value_states), layer.keys, layer.values, slot_mapping,
                           step.has_skipped_slots, scales=layer.scales, plan=step.plan)
         if step.mode == PAGED:
-            note_paged_write(layer.keys, layer.values, step, layer_idx)  # the attention checks what reaches it
+            note_paged_write(*layer.paged_kv(), step, layer_idx)  # the attention checks what reaches it
             if layer.scales is not None:
                 step.kv_scales[layer_idx] = layer.scales  # the attention finds a layer's scales by its index
         return layer
@@ -389,14 +400,9 @@ class KVOwner(KeptSequences):
 
     # ------------------------------------------------------------------ sequences and the pool
     def new_sequence(self, for_paged_steps: bool = True) -> KVSequence:
-        """A fresh `KVSequence` salted for this pool (its `cache_salt` and current weights epoch).
-
-        Raises:
-            ValueError: `for_paged_steps` and the model's attention cannot read the blocks (latent
-                attention); raised here so that the `Engine` rejects a request at admission.
-        """
-        if for_paged_steps:
-            check_paged_attention_supported(self.model_config)
+        """A fresh `KVSequence` salted for this pool (its `cache_salt` and current weights epoch);
+        `for_paged_steps`: a sequence the engine plans (hashed even when its rotary frequencies follow
+        its length, as its rope history is kept)."""
         # Stock generate's rows and imported prompts carry no rope history: unhashed where it matters.
         return KVSequence(seq_id=self.next_seq_id(), extra_key=self.sequence_salt(),
                           is_cacheable=for_paged_steps or not self._length_rope)

@@ -37,6 +37,10 @@ def check_transferable_layout(kv) -> None:  # kv: a KVOwner
         raise ValueError("moving K/V between engines does not carry the per-sequence state of recurrent layers yet "
                          f"(model_type={kv.model_config.model_type!r} has {len(kv.state_layers)} Mamba / linear-"
                          "attention layers): serve this model from one engine")
+    if kv.has_latent_kv and kv.cache_config.tensor_parallel_size > 1:
+        raise ValueError("moving K/V between engines is not supported yet for a tensor-parallel engine of a latent-"
+                         "attention model (every rank holds the whole latent row, where the transfer splits K/V by "
+                         "head over the ranks): serve it disaggregated with tensor_parallel_size=1 workers")
     if not kv.layout.uniform_shape:
         raise ValueError("moving K/V between engines is not supported yet for a model whose layers differ in K/V "
                          "shape (KV heads or head size, as Gemma 4's full and sliding layers do)")
@@ -65,7 +69,7 @@ def numel(kv, num_tokens: int, heads: Heads = None) -> int:
     """Elements of a transfer buffer of `num_tokens` tokens (for `heads` only)."""
     per_token = 0
     for layer in kv.slot_owners():
-        for tensor in (layer.keys, layer.values):
+        for tensor in layer.payload():
             lo, hi = _range(heads, tensor)
             per_token += (hi - lo) * tensor.shape[-1]
     return num_tokens * per_token
@@ -77,7 +81,7 @@ def gather(kv, slots: list[int], heads: Heads = None) -> torch.Tensor:  # [numel
     parts = []
     for layer in kv.slot_owners():
         index = torch.tensor(slots, dtype=torch.long, device=layer.keys.device)
-        for tensor in (layer.keys, layer.values):
+        for tensor in layer.payload():
             lo, hi = _range(heads, tensor)
             flat = tensor.view(-1, *tensor.shape[2:])  # [num_blocks * block_size, num_heads, head_dim]
             parts.append(flat.index_select(0, index)[:, lo:hi].reshape(-1))
@@ -114,7 +118,7 @@ def write(kv, slots: list[int], buffer: torch.Tensor, heads: Heads = None) -> No
     written = index >= 0
     offset = 0
     for layer in kv.slot_owners():
-        for tensor in (layer.keys, layer.values):
+        for tensor in layer.payload():
             lo, hi = _range(heads, tensor)
             size = n * (hi - lo) * tensor.shape[-1]
             part = buffer[offset: offset + size].view(n, hi - lo, tensor.shape[-1])

@@ -1,5 +1,6 @@
 """The cache layers of a paged pool, transformers `CacheLayerMixin`s: `PagedLayer` (a layer's K/V
-blocks) and `SharedLayer` (a layer that reads another layer's K/V and stores none).
+blocks), `LatentLayer` (a latent-attention layer's rows) and `SharedLayer` (a layer that reads
+another layer's K/V and stores none).
 
 A `PagedLayer`'s tensors (and a quantised layer's scales) are allocated on the layer's first write,
 with the device, dtype and head shape of the states it receives; layers of different KV groups that
@@ -136,6 +137,15 @@ class PagedLayer(CacheLayerMixin):
         self.keys, self.values = pages.views(shape, self.offset_k, self.offset_v)
         self.is_initialized = True
 
+    def paged_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (key, value) blocks a PAGED step hands the layer's attention."""
+        return self.keys, self.values
+
+    def payload(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding its tokens' K/V, each [num_blocks, block_size, heads, width] (what a
+        K/V transfer moves)."""
+        return self.keys, self.values
+
     def _tensors(self) -> list[tuple[object, str]]:
         """(owner, attribute) of every tensor with a block dimension: K, V and a quantised layer's scales."""
         pairs = [(self, "keys"), (self, "values")]
@@ -222,3 +232,56 @@ class SharedLayer(DummyLayer):
         self.source = spec.source
         self.is_sliding = spec.reach is not None
         self.group, self.slot = group, slot
+
+
+class LatentLayer(PagedLayer):
+    """A multi-head latent attention layer's blocks (`kv_spec.LatentAttention`): one row per token,
+    `rows [num_blocks, block_size, 1, L + R + I]` = the latent (`kv_lora_rank` L), the rotary key
+    (`qk_rope_head_dim` R) and, for indexed sparse attention, the indexer's key (`index_head_dim` I).
+
+    Views of the rows (no copies): `keys` the latent and `values` the rotary key (what the model passes
+    to `cache.update`, written and gathered as any layer's K and V), `kv_rows` the latent and rotary key
+    together (the one K "head" absorbed attention reads; its V is `keys`), `index_keys` the indexer's.
+    """
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        kv, shape = self._kv, self.spec.shape
+        got = (key_states.shape[1], key_states.shape[3], value_states.shape[3])
+        if got != (1, shape.head_dim, shape.head_dim_v):
+            raise ValueError(
+                f"hf_paged: a latent-attention layer wrote K/V of {got[0]} heads x {got[1]} (V {got[2]}), but the "
+                f"config gives it one latent of {shape.head_dim} and a rotary key of {shape.head_dim_v}")
+        self.device = key_states.device
+        dtype = kv.kv_dtype or key_states.dtype
+        # zeros, not empty: padding columns of the dense path read never-written slots
+        self.rows = torch.zeros(kv.pool.num_blocks, kv.block_size, 1, self.spec.row_width, dtype=dtype,
+                                device=self.device)
+        self._take_views()
+        self.is_initialized = True
+
+    def _take_views(self) -> None:
+        latent, rope = self.spec.shape.head_dim, self.spec.shape.head_dim_v
+        self.keys = self.rows[..., :latent]
+        self.values = self.rows[..., latent:latent + rope]
+        self.kv_rows = self.rows[..., :latent + rope]
+        self.index_keys = self.rows[..., latent + rope:] if self.spec.index_dim else None
+
+    def paged_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_rows, self.keys
+
+    def payload(self) -> tuple[torch.Tensor, ...]:
+        return (self.rows,)
+
+    def _tensors(self) -> list[tuple[object, str]]:
+        return [(self, "rows")]
+
+    def resize(self, num_blocks: int, like: "PagedLayer | None" = None) -> None:
+        if not self.is_initialized or self.rows.shape[0] == num_blocks:
+            return
+        if like is not None:
+            self.rows = like.rows
+        else:
+            new = self.rows.new_zeros(num_blocks, *self.rows.shape[1:])
+            new[: self.rows.shape[0]] = self.rows
+            self.rows = new
+        self._take_views()

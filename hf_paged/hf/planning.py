@@ -18,6 +18,8 @@ import torch
 
 from ..attention.metadata import DENSE, PAGED
 from .cache import PagedCache
+from .latent import install_latent, latent_refusal
+from .latent import is_installed as latent_installed
 from .padding import is_left_padded
 from .support import check_attention_routed, check_model_supported, decoder_of
 from .weights import weights_fingerprint
@@ -38,6 +40,8 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     """
     check_model_supported(model.config)
     check_attention_routed(model)
+    if latent_refusal(model) is None:
+        install_latent(model)  # paged steps read latent rows absorbed, indexers select per sequence; else dense
     decoder = decoder_of(model)
     if getattr(decoder, _HOOK_ATTR, None) is None:
         params = list(inspect.signature(decoder.forward).parameters)
@@ -79,6 +83,11 @@ def _make_plan_hook(model: torch.nn.Module, param_names: list[str]):
         if cache.stores_padding:
             padding_known = False  # every column is stored
         mode = PAGED if model.config._attn_implementation == "hf_paged" and padding_known else DENSE
+        if mode == PAGED and cache.has_latent_kv and not (cache.kv.latent_rows and latent_installed(model)
+                                                          and latent_refusal(model) is None):
+            # latent attention that cannot be absorbed (`hf.latent`; a kv_b_proj replaced since it was
+            # installed: a LoRA adapter, a bias), or quantised latents: the module expands them itself
+            mode = DENSE
         if not cache.seqs and cache.kv.default_quant is not None:
             cache.kv.use_checkpoint_kv_scales(model)  # layers not yet written take a checkpoint's k/v scales
         if cache.cache_config.enable_prefix_caching and not cache.seqs:

@@ -17,7 +17,7 @@ import weakref
 
 import torch
 
-from ..kv_spec import ATTENTION_KINDS, HYBRID, LAYER_KINDS, STATE_KINDS, kv_sources
+from ..kv_spec import ATTENTION_KINDS, FULL, HYBRID, INDEXED, LAYER_KINDS, NO_CACHE, STATE_KINDS, kv_sources
 from ..state_spec import state_shape
 from .rope import check_rope_supported
 
@@ -44,6 +44,25 @@ def check_decoder_supported(config, include_decoder_flag: bool = True) -> None:
     text = config.get_text_config(decoder=True)
     types = layer_types_of(config)
     unsupported = sorted({t for t in types if t not in LAYER_KINDS})
+    if INDEXED in types and not _declares(text, "kv_lora_rank"):
+        unsupported.append(INDEXED)  # the indexer's keys are kept beside latent rows only
+    if _declares(text, "kv_lora_rank"):
+        windowed = sorted({t for t in types if t not in (FULL, INDEXED) + STATE_KINDS + NO_CACHE})
+        try:
+            getattr(text, "kv_lora_rank", None)
+            per_layer = False
+        except Exception:  # noqa: BLE001 - a heterogeneous config refuses a global read of a per-layer value
+            per_layer = True
+        if FULL in types and INDEXED in types and not windowed and not per_layer:
+            raise ValueError(
+                f"hf_paged does not support model_type={text.model_type!r}: its multi-head latent attention mixes "
+                "full_attention and indexed_attention layers, whose rows differ in width (the indexer's key), and "
+                "hf_paged's latent rows are one width per model; " + _INSTEAD)
+        if windowed or per_layer:
+            raise ValueError(
+                f"hf_paged does not support model_type={text.model_type!r}: its multi-head latent attention "
+                + (f"has {windowed} layers" if windowed else "has latent shapes that differ per layer")
+                + " (hf_paged's latent rows are one shape per model, over causal or indexed layers); " + _INSTEAD)
     if unsupported:
         why = "; ".join(f"its {kind} layers {_KIND_REASONS[kind]}" for kind in unsupported if kind in _KIND_REASONS)
         raise ValueError(
@@ -80,7 +99,15 @@ _INSTEAD = "load the model with attn_implementation='sdpa' or 'eager' instead"
 # Why a layer kind no `kv_spec` spec describes cannot be served: the refusal names the reason, not only the kind.
 _KIND_REASONS = {
     "indexed_attention": "attend only to the earlier tokens a learned indexer picks for each query (sparse attention, "
-                         "as DeepSeek-V3.2's), which no paged attention kernel computes",
+                         "as DeepSeek-V3.2's) over multi-head attention without latent rows (hf_paged keeps the "
+                         "indexer's keys beside an MLA layer's latent only)",
+    "compressed_sparse_attention": "keep, beside a sliding window of raw K/V, compressed K/V entries (one per "
+                                   "`compress_rates` tokens, 4 for these layers, 128 for heavily compressed ones) "
+                                   "that a learned compressor writes from a buffer of the latest tokens, and an "
+                                   "indexer over those entries (DeepSeek V4): hf_paged's specs store one row per "
+                                   "token, so these need a compressed-entry spec and a buffer state per sequence",
+    "heavily_compressed_attention": "keep compressed K/V entries (one per `compress_rates` tokens) written by a "
+                                    "learned compressor (DeepSeek V4), which hf_paged's per-token specs do not hold",
     "hybrid_sliding": "run short convolutions over their queries, keys and values beside sliding-window attention, "
                       "keeping convolution windows whose widths differ from its other layers' (hf_paged's state spec "
                       "gives every recurrent layer of a model one shape)",
@@ -407,16 +434,16 @@ def _warn_hub_kernels_once(model: torch.nn.Module) -> None:
 
 
 def has_latent_kv(config) -> bool:
-    """Whether the model uses multi-head latent attention (DeepSeek-V2/V3; its config names
-    `kv_lora_rank`).
+    """Whether the model uses multi-head latent attention (DeepSeek V2/V3/V3.2, Kimi K2, MiniCPM3; its
+    config names `kv_lora_rank`).
 
-    Such a model caches, per token and layer, the compressed latent (`kv_lora_rank` wide) in the K
-    slot and the shared rotary key (`qk_rope_head_dim` wide) in the V slot, each as one head, and
-    expands them into per-head K (`qk_nope_head_dim + qk_rope_head_dim`) and V (`v_head_dim`) inside
-    its attention module: after `cache.update`, before the attention function runs. A paged cache
-    stores the latents (MLA's small footprint); attention over them runs dense.
+    Such a model passes `cache.update` the compressed latent (`kv_lora_rank` wide) as K and the shared
+    rotary key (`qk_rope_head_dim` wide) as V, one head each, and expands them into per-head K/V in its
+    attention module (`expand_kv`). The cache keeps them as one row per token (`layer.LatentLayer`);
+    paged steps attend over the rows with the up-projections absorbed (`hf.latent`), dense ones hand the
+    model the gathered latents to expand as stock does.
     """
-    return getattr(config.get_text_config(decoder=True), "kv_lora_rank", None) is not None
+    return _declares(config.get_text_config(decoder=True), "kv_lora_rank")
 
 
 def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int]:
@@ -426,15 +453,11 @@ def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int
     splits the K/V projections by head).
 
     Raises:
-        ValueError: N does not divide a layer's KV heads (`layer_specs_of`), the model keeps latent K/V
-            (one shared head) and N > 1, or its layers differ in K/V shape (per-layer shapes: read
-            `layer_specs_of`).
+        ValueError: N does not divide a layer's KV heads (`layer_specs_of`), or its layers differ in
+            K/V shape (per-layer shapes: read `layer_specs_of`).
     """
     text = config.get_text_config(decoder=True)
-    if has_latent_kv(config):
-        if tensor_parallel_size > 1:
-            raise ValueError("hf_paged: latent attention (one shared K/V head) cannot be split over tensor-parallel "
-                             f"ranks (tensor_parallel_size={tensor_parallel_size})")
+    if has_latent_kv(config):  # one shared latent head, whole on every rank
         return 1, text.kv_lora_rank, text.qk_rope_head_dim
     shapes = {spec.shape for spec in layer_specs_of(config, tensor_parallel_size) if spec.owns_kv}
     if not shapes:
@@ -445,21 +468,6 @@ def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int
                          "layer_specs_of")
     shape = shapes.pop()
     return shape.num_kv_heads, shape.head_dim, shape.head_dim_v
-
-
-def check_paged_attention_supported(config) -> None:
-    """Raise ValueError when attention cannot read K/V straight from the blocks (what the `Engine`'s
-    packed steps need); the cache itself still serves such a model, with dense attention."""
-    if has_latent_kv(config):
-        text = config.get_text_config(decoder=True)
-        raise ValueError(
-            f"hf_paged's paged attention cannot serve multi-head latent attention (model_type="
-            f"{text.model_type!r}): the model expands its cached latents into per-head K/V inside its attention "
-            "module, so no attention kernel ever reads the paged blocks, and the Engine (which also serves "
-            "model.generate for attn_implementation='hf_paged') needs one that does. Set "
-            "`model.hf_paged_use_engine = False` so that model.generate runs stock generation over a PagedCache "
-            "(the latents are stored paged, attention runs dense), or use attn_implementation='sdpa'"
-        )
 
 
 def layer_specs_of(config, tensor_parallel_size: int = 1) -> tuple:

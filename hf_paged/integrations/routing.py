@@ -27,6 +27,7 @@ from ..config import PagedCacheConfig
 from ..engine.tensor_parallel import tensor_parallel_group
 from ..hf import PagedCache
 from ..hf.multimodal import ImageSupport
+from ..hf.latent import latent_refusal
 from ..hf.support import has_latent_kv
 from ..transformers_api import stock_penalty_skips_padding
 from .generation_config import eos_token_ids_of, merged_generation_config, sampling_params_from, speculative_kwargs
@@ -175,7 +176,11 @@ def route(model, inputs, generation_config, kwargs: dict) -> EngineCall | Fallba
     if getattr(model.config, "is_encoder_decoder", False):
         return Fallback("an encoder-decoder model (the engine serves decoder-only models)")
     if has_latent_kv(model.config):
-        return Fallback("latent attention (MLA): the engine cannot serve it; stock generate over a PagedCache can")
+        why = latent_refusal(model)
+        if why is None and (getattr(model, "hf_paged_cache_config", None) or PagedCacheConfig()).kv_dtype.is_quantized:
+            why = "its latents are kept quantised, which only dense steps read"
+        if why is not None:
+            return Fallback(f"latent attention (MLA) the engine cannot run: {why}")
     if _positions_itself(model):
         return Fallback("the model positions its tokens itself (its prepare_inputs_for_generation drops "
                         "position_ids), not as the engine does")

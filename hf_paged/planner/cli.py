@@ -40,7 +40,8 @@ def add_subcommands(subparsers) -> None:
                     help=f"KV cache dtype: {', '.join(sizing.DTYPE_NAMES)} (default bfloat16; fp8/int8 bytes include their scales)")
     kv.add_argument("--kv-heads", type=int, default=None, help="override the number of KV heads (what-if)")
     kv.add_argument("--tp", type=int, default=1,
-                    help="tensor-parallel ranks: the figures are one rank's (its share of the KV heads; default 1)")
+                    help="tensor-parallel ranks: the figures are one rank's (its share of the KV heads; a latent "
+                         "layer keeps its whole row on every rank; default 1)")
     kv.add_argument("--compare", action="store_true", help="MHA vs GQA vs MQA (vs MLA) vs fp8, side by side")
     kv.add_argument("--state-checkpoints", type=int, default=None, metavar="N",
                     help="recurrent models (Mamba, linear attention): prefix-cache state checkpoints counted in the "
@@ -217,14 +218,32 @@ def _checkpoint_desc(r) -> str:
 def _kv_desc(shape) -> str:
     if not shape.num_kv_layers:
         return "no attention (no K/V)"
-    if shape.is_mla:
-        return f"MLA latent {shape.kv_lora_rank} + rope {shape.qk_rope_head_dim}"
+    if shape.latent_specs:
+        return _latent_desc(shape)
     desc = f"{shape.num_kv_heads} KV heads x head_dim {shape.head_dim} ({shape.attention_kind})"
     others = {}  # per-layer shapes (Gemma 4's full layers): the layers whose K/V differ from the config's
     for s in shape.kv_layer_specs:
         if s.owns_kv and (s.shape.num_kv_heads, s.shape.head_dim) != (shape.num_kv_heads, shape.head_dim):
             others.setdefault(f"{s.kind} layers {s.shape.num_kv_heads} KV heads x head_dim {s.shape.head_dim}", 0)
     return ", ".join([desc, *others])
+
+
+def _latent_desc(shape) -> str:
+    """A latent-attention model's row per token and layer, from its specs (`kv_spec.LatentAttention`),
+    e.g. "MLA latent 512 + rope 64 + indexer 128 (704 per token and layer; indexed: ...)"."""
+    specs = shape.latent_specs
+    first, indexed = specs[0], [s for s in specs if s.index_dim]
+    desc = f"MLA latent {first.shape.head_dim} + rope {first.shape.head_dim_v}"
+    if indexed:
+        desc += f" + indexer {indexed[0].index_dim}"
+        if len(indexed) < len(specs):
+            desc += f" in {len(indexed)} of {len(specs)} layers"
+    widths = {s.row_width for s in specs}
+    notes = [f"{widths.pop():,} per token and layer"] if len(widths) == 1 else []
+    if indexed:
+        notes.append(f"indexed: attention reads the top {indexed[0].index_topk:,} keys per query, "
+                     f"{shape.index_n_heads} indexer heads score every key")
+    return f"{desc} ({'; '.join(notes)})" if notes else desc
 
 
 def run_roofline(args) -> int:
@@ -344,13 +363,14 @@ def run_plan(args) -> int:
 
 def _no_split(model: sizing.ModelShape, options: list) -> str:
     """Why no tensor-parallel split rescues a model whose weights do not fit one device."""
-    if model.is_mla:
-        return "and latent attention (one shared K/V head) cannot be split over tensor-parallel ranks"
     if not options:
         return (f"and no larger power-of-two split divides its {model.num_attention_heads} attention and "
                 f"{model.num_kv_heads} KV heads")
+    experts = ("; its routed experts stay whole on every tensor-parallel rank (transformers splits them over "
+               "devices under expert parallelism, its ep_size, which this planner does not plan)"
+               if model.num_moe_layers else "")
     return (f"nor does one device's share under --tp {options[-1].tensor_parallel_size}, the largest split its "
-            f"{model.num_attention_heads} attention and {model.num_kv_heads} KV heads allow")
+            f"{model.num_attention_heads} attention and {model.num_kv_heads} KV heads allow{experts}")
 
 
 # ---------------------------------------------------------------------------------------------- plots

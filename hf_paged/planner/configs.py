@@ -19,6 +19,7 @@ _REFERENCE_ALIASES = {
     "meta-llama-3-8b": "llama-3-8b", "llama3-8b": "llama-3-8b",
     "gemma-3-4b-it": "gemma-3-4b", "mistral-7b-v0.1": "mistral-7b", "qwen2.5-7b-instruct": "qwen2.5-7b",
     "smollm2-135m-instruct": "smollm2-135m", "qwen3.5-27b-instruct": "qwen3.5-27b",
+    "deepseek-v3.2-exp": "deepseek-v3.2",
 }
 # Where a multimodal config nests its language model.
 _TEXT_CONFIG_KEYS = ("text_config", "llm_config", "language_config")
@@ -66,6 +67,12 @@ FAMILY_DEFAULTS: dict[str, dict] = {
     "gemma4_text": {"num_key_value_heads": 4, "head_dim": 256, "sliding_window": 512, "num_kv_shared_layers": 0,
                     "global_head_dim": 512, "attention_k_eq_v": False, "hidden_size_per_layer_input": 256,
                     "vocab_size_per_layer_input": 262144, "tie_word_embeddings": True},
+    # Indexed sparse attention (DeepSeek V3.2, GLM-5, HY v4, A.X-K2): every layer is `indexed_attention`
+    # (`layers.INDEXED_FAMILIES`), its indexer's sizes these.
+    "deepseek_v32": {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64},
+    "glm_moe_dsa": {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32},
+    "hy_v4": {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16},
+    "axk2": {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 16},
 }
 # A multimodal model type and its text model's (whose family defaults it reads).
 _TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",

@@ -1,9 +1,9 @@
 """KV bytes of a `ModelShape`: per token and layer, per sequence (with any fixed state), the prefix
-cache's state checkpoints, and the MHA / GQA / MQA / MLA / fp8 comparison of `hf-paged kv-size
---compare`. The formulas are in `sizing`'s docstring; a layer's bytes per token come from
-`config.kv_bytes_per_token_layer` over its own K/V shape (its spec's), the formula the cache itself
-allocates by, and the tokens it holds from its spec (`kv_spec`): every token, a window, a chunk, or
-none for a layer reusing another's K/V.
+cache's state checkpoints, the K/V a decode step reads, and the MHA / GQA / MQA / MLA / fp8 comparison
+of `hf-paged kv-size --compare`. The formulas are in `sizing`'s docstring; a layer's bytes per token come
+from `config.kv_bytes_per_token_layer` over its own K/V shape (its spec's), the formula the cache itself
+allocates by (a latent layer: its row, `kv_spec.LatentAttention.row_width`), and the tokens it holds
+from its spec (`kv_spec`): every token, a window, a chunk, or none for a layer reusing another's K/V.
 """
 
 from __future__ import annotations
@@ -11,25 +11,31 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import default_max_state_checkpoints, kv_bytes_per_token_layer, kv_scale_bytes_per_token_layer
-from ..kv_spec import LayerSpec
+from ..kv_spec import LatentAttention, LayerSpec
 from .shape import GB, GiB, ModelShape, check_positive, dtype_spec
 
 
 def kv_bytes_per_layer_token(shape: ModelShape, kv_dtype: str = "bfloat16") -> int:
     """Bytes one token takes in a layer of the config's KV heads and head size: 2 * num_kv_heads *
-    head_dim * bpe, or for MLA (kv_lora_rank + qk_rope_head_dim) * bpe (`spec_bytes_per_token` per layer)."""
-    spec = dtype_spec(kv_dtype)
-    if shape.is_mla:  # one latent "head" and one rope "head", each with its own scale when quantised
-        return kv_bytes_per_token_layer(1, shape.kv_lora_rank, shape.qk_rope_head_dim, spec)
-    return kv_bytes_per_token_layer(shape.num_kv_heads, shape.head_dim, shape.v_head_dim, spec)
+    head_dim * bpe, or for MLA its first latent layer's row (`spec_bytes_per_token`: (kv_lora_rank +
+    qk_rope_head_dim [+ index_head_dim]) * bpe)."""
+    if shape.latent_specs:
+        return spec_bytes_per_token(shape.latent_specs[0], kv_dtype)
+    return kv_bytes_per_token_layer(shape.num_kv_heads, shape.head_dim, shape.v_head_dim, dtype_spec(kv_dtype))
 
 
 def spec_bytes_per_token(spec: LayerSpec, kv_dtype: str = "bfloat16") -> int:
-    """Bytes one token takes in the layer of `spec`, by its own K/V shape (0: it reuses another's)."""
+    """Bytes one token takes in the layer of `spec`, by its own K/V shape (0: it reuses another's); a
+    latent layer's row (`kv_spec.LatentAttention.row_width`: latent, rope key, indexer key) is one
+    shared head, quantised with the two scales of one head's K and V, as the planner has always
+    counted MLA."""
     if not spec.owns_kv:
         return 0
+    dtype = dtype_spec(kv_dtype)
+    if isinstance(spec, LatentAttention):
+        return spec.row_width * dtype.itemsize + kv_scale_bytes_per_token_layer(spec.shape.num_kv_heads, dtype)
     s = spec.shape
-    return kv_bytes_per_token_layer(s.num_kv_heads, s.head_dim, s.head_dim_v, dtype_spec(kv_dtype))
+    return kv_bytes_per_token_layer(s.num_kv_heads, s.head_dim, s.head_dim_v, dtype)
 
 
 def tokens_held(spec: LayerSpec, seq_len: int) -> int:
@@ -62,6 +68,26 @@ def kv_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str
         raise ValueError(f"seq-len must be a non-negative integer, got {seq_len!r}")
     check_positive(batch=batch_size)
     per_seq = sum(tokens_held(s, seq_len) * spec_bytes_per_token(s, kv_dtype) for s in shape.kv_layer_specs)
+    return batch_size * (per_seq + shape.state_bytes_per_seq)
+
+
+def kv_bytes_read(shape: ModelShape, seq_len: int, batch_size: int = 1, kv_dtype: str = "bfloat16") -> int:
+    """Bytes of K/V and fixed state one decode step reads for `batch_size` sequences of `seq_len`
+    cached tokens: what `kv_bytes` holds, except in an indexed sparse-attention layer (DeepSeek V3.2),
+    whose indexer reads every cached token's indexer key and whose attention reads the latent and
+    rope key (and scales) of only min(index_topk, tokens held) of them."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+        raise ValueError(f"seq-len must be a non-negative integer, got {seq_len!r}")
+    check_positive(batch=batch_size)
+    itemsize = dtype_spec(kv_dtype).itemsize
+    per_seq = 0
+    for spec in shape.kv_layer_specs:
+        held, nbytes = tokens_held(spec, seq_len), spec_bytes_per_token(spec, kv_dtype)
+        if isinstance(spec, LatentAttention) and spec.index_topk:
+            index = spec.index_dim * itemsize
+            per_seq += held * index + min(held, spec.index_topk) * (nbytes - index)
+        else:
+            per_seq += held * nbytes
     return batch_size * (per_seq + shape.state_bytes_per_seq)
 
 

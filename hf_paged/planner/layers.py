@@ -14,8 +14,8 @@ A config without `layer_types` gets them by its family's rule (Qwen3-Next / Qwen
 `full_attention_interval`, Jamba / Zamba `attn_layer_period` and `attn_layer_offset`, Bamba
 `attn_layer_indices`, Nemotron-H `hybrid_override_pattern`, LFM2 `full_attn_idxs`, Llama 4
 `no_rope_layers`, MiniMax `attn_type_list`, Kimi `linear_attn_config`, Gemma 2/3 and Cohere 2
-`sliding_window_pattern`), else every layer is full attention (sliding where `sliding_window` says so,
-as before `layer_types` existed).
+`sliding_window_pattern`; DeepSeek V3.2, GLM-5, HY v4 and A.X-K2 index every layer), else every layer
+is full attention (sliding where `sliding_window` says so, as before `layer_types` existed).
 
 A state layer's fixed state (its shapes and dtypes) is `state_spec.state_shape`'s, the definition the
 cache allocates by; only its mixer's parameter count is the planner's own (`mixer_state`).
@@ -44,6 +44,8 @@ _STATE_DTYPES = ("float32", "float16", "bfloat16")
 # Families whose config class makes every `sliding_window_pattern`-th layer full attention (default here).
 _SLIDING_PATTERNS = {"gemma2": 2, "gpt_oss": 2, "gemma3_text": 6, "gemma3": 6, "cohere2": 4, "gemma3n_text": 5,
                      "gemma4_text": 6}
+# Families whose config class makes every layer indexed sparse attention when `layer_types` is left out.
+INDEXED_FAMILIES = frozenset({"deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"})
 
 @dataclass(frozen=True)
 class MixerState:
@@ -114,6 +116,8 @@ def _family_kinds(c: dict, mt: str | None, n: int) -> list[str]:
     if mt == "bamba":
         indices = c.get("attn_layer_indices") or ()
         return ["full_attention" if i in indices else "linear_attention" for i in range(n)]
+    if mt in INDEXED_FAMILIES:
+        return ["indexed_attention"] * n
     if mt in ("mamba", "mamba2", "falcon_mamba", "granitemoehybrid"):
         return ["linear_attention"] * n
     if mt == "falcon_h1":
@@ -168,16 +172,18 @@ def has_attention(kind: str) -> bool:
 
 def kv_layer_specs(c: dict, kinds: tuple[str, ...]) -> tuple[LayerSpec, ...]:
     """Per layer that keeps or reads K/V (`has_attention`), its spec, by the one definition the cache
-    uses (`kv_spec.layer_specs`: windows, chunks, shared K/V, per-layer shapes). A kind the cache does
-    not serve yet (a hybrid layer's attention, indexed attention, an unknown kind), a sliding layer
-    without a window or a chunked one without a chunk counts as full attention (every token's K/V).
+    uses (`kv_spec.layer_specs`: windows, chunks, shared K/V, per-layer shapes, latent rows with the
+    indexer's keys). A kind the cache does not serve yet (a hybrid layer's attention, indexed attention
+    without latent attention, an unknown kind), a sliding layer without a window or a chunked one
+    without a chunk counts as full attention (every token's K/V).
 
     Raises:
         ValueError: what `kv_spec.layer_specs` refuses (a reuse layer without a source, ...).
     """
     window = c.get("sliding_window") or c.get("attention_window_size")
     chunk = c.get("attention_chunk_size")
-    present = {"sliding_attention": bool(window), "chunked_attention": bool(chunk), "full_attention": True}
+    present = {"sliding_attention": bool(window), "chunked_attention": bool(chunk), "full_attention": True,
+               "indexed_attention": c.get("kv_lora_rank") is not None}
     types = [kind if present.get(kind) else "full_attention" for kind in kinds]
     specs = layer_specs({**c, "layer_types": types, "num_hidden_layers": len(kinds), "sliding_window": window})
     return tuple(spec for spec, kind in zip(specs, kinds) if has_attention(kind))

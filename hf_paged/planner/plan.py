@@ -170,11 +170,10 @@ class TPOption:
 
 def tp_sizes(shape: ModelShape, above: int = 1) -> list[int]:
     """The tensor-parallel sizes above `above` a model allows: powers of two dividing its attention
-    heads and every layer's KV heads (what `ModelShape.per_rank` requires; none for latent attention)."""
-    if shape.is_mla:
-        return []
+    heads and every layer's KV heads (what `ModelShape.per_rank` requires; a latent-attention layer's
+    one row is whole on every rank, so only its query heads count)."""
     sizes, tp = [], 2
-    kv_heads = shape.kv_head_counts or (shape.num_kv_heads,)
+    kv_heads = shape.kv_head_counts or (() if shape.is_mla else (shape.num_kv_heads,))
     while tp <= max(shape.num_attention_heads, 1):
         if tp > above and not shape.num_attention_heads % tp and not any(h % tp for h in kv_heads):
             sizes.append(tp)

@@ -18,7 +18,7 @@ Two sources, the same ones `integrations.load_check` asks at load:
 from __future__ import annotations
 
 from ..config import SUPPORTED_LAYER_TYPES
-from ..kv_spec import ATTENTION_KINDS, HYBRID, STATE_KINDS, kv_sources
+from ..kv_spec import ATTENTION_KINDS, FULL, HYBRID, INDEXED, STATE_KINDS, kv_sources
 from ..state_spec import state_shape
 from .configs import family, text_config
 from .layers import MIXERLESS_KINDS, layer_kinds
@@ -72,6 +72,13 @@ def refusal(config: dict) -> str | None:
                 state_shape({**c, "model_type": family(c.get("model_type"))})
             except ValueError as exc:
                 reasons.append(str(exc))
+    latent = c.get("kv_lora_rank") is not None
+    if INDEXED in kinds and not latent:
+        reasons.append("indexed_attention layers without multi-head latent attention (hf_paged keeps an indexer's keys "
+                       "beside latent rows only)")
+    if latent and (set(kinds) - {FULL, INDEXED} - set(STATE_KINDS) - MIXERLESS_KINDS or {FULL, INDEXED} <= set(kinds)):
+        reasons.append(f"multi-head latent attention over {sorted(set(kinds))} layers (hf_paged's latent rows are one "
+                       "width per model, over causal or indexed layers)")
     if c.get("cross_attention_layers") or config.get("cross_layer_interval") is not None:
         reasons.append("cross-attention layers (K/V of an image or encoder beside the tokens')")
     if kinds:

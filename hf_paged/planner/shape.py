@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import KV_CACHE_DTYPE_NAMES, KVCacheDtype, kv_cache_dtype
-from ..kv_spec import FullAttention, KVShape, LayerSpec, SharedKV, map_shapes
+from ..kv_spec import FullAttention, KVShape, LatentAttention, LayerSpec, SharedKV, map_shapes
 from .configs import family, load_config, text_config
 from .layers import (STATE_KINDS, has_attention, has_mixer, has_mlp, kv_layer_specs, layer_kinds, mixer_state,
                      model_dtype)
@@ -71,9 +71,11 @@ class ModelShape:
     chunk, K/V shape (per layer: Gemma 4's full layers differ), or the layer whose K/V it reuses
     (`SharedKV`, Gemma 3n/4, costing nothing). A shape built without `layer_kinds` has full attention
     in every layer. `num_kv_heads` / `head_dim` are the config's (what most layers hold). MLA models
-    set `kv_lora_rank` (their specs' shape is the latent and the rope key, one "head" each); their
-    `head_dim` / `v_head_dim` are the uncompressed per-head K / V widths (qk_nope + qk_rope,
-    v_head_dim), used only for the MHA-equivalent comparison. Layers with a fixed
+    set `kv_lora_rank`: their specs are `kv_spec.LatentAttention` (one row per token: the latent, the
+    rope key and, in an indexed layer, the indexer's key; the same on every tensor-parallel rank), and
+    `index_n_heads` where an indexer scores the cached keys (DeepSeek V3.2); their `head_dim` /
+    `v_head_dim` are the uncompressed per-head K / V widths (qk_nope + qk_rope, v_head_dim), used only
+    for the MHA-equivalent comparison. Layers with a fixed
     state (linear attention, Mamba, short convolutions) add `recurrent_state_elements` and
     `conv_state_elements` per sequence, whatever its length; `num_unsized_state_layers` of them are of
     a mixer the planner cannot size.
@@ -91,6 +93,7 @@ class ModelShape:
     kv_specs: tuple[LayerSpec, ...] = ()
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int = 0
+    index_n_heads: int = 0  # heads of the indexer that scores every cached key (indexed sparse attention)
     num_params: int = 0  # stored parameters (weights in memory)
     num_dense_matmul_params: int = 0  # matmul weights every token uses (excludes the embedding lookup)
     num_moe_layers: int = 0
@@ -99,6 +102,7 @@ class ModelShape:
     expert_params: int = 0  # one routed expert of one layer
     norm_params: int = 0  # the norms' weights: whole on every tensor-parallel rank
     whole_mixer_params: int = 0  # state mixers' weights no tensor-parallel plan splits (`MixerState.split_params`)
+    whole_attention_params: int = 0  # MLA's down-projections and norms and the indexer: whole on every rank
     layer_kinds: tuple = ()
     recurrent_state_elements: int = 0  # every state layer's, one sequence
     conv_state_elements: int = 0
@@ -125,8 +129,15 @@ class ModelShape:
 
     @property
     def kv_head_counts(self) -> tuple[int, ...]:
-        """The distinct KV head counts of the layers that store K/V (one for most models)."""
-        return tuple(sorted({s.shape.num_kv_heads for s in self.kv_layer_specs if s.owns_kv}))
+        """The distinct KV head counts of the layers that store K/V (one for most models), latent
+        layers aside: their one shared row is no head a tensor-parallel split divides."""
+        return tuple(sorted({s.shape.num_kv_heads for s in self.kv_layer_specs
+                             if s.owns_kv and not isinstance(s, LatentAttention)}))
+
+    @property
+    def latent_specs(self) -> tuple[LatentAttention, ...]:
+        """The specs of the latent-attention layers (MLA; with an indexer's keys in indexed layers)."""
+        return tuple(s for s in self.kv_layer_specs if isinstance(s, LatentAttention))
 
     @property
     def state_bytes_per_seq(self) -> int:
@@ -192,20 +203,15 @@ class ModelShape:
             head_dim = int(c.get("head_dim") or c.get("attention_head_dim") or 0)
             head_dim = head_dim or (hidden // num_heads if num_heads else 0)
             v_head_dim = head_dim
+        # MLA: the latent specs (`kv_spec.LatentAttention`, with the indexer's keys in indexed layers)
         specs = kv_layer_specs({**c, "head_dim": head_dim or None, "num_key_value_heads": num_kv_heads}, kinds)
-        if kv_lora_rank is not None:  # one latent and one rope key per token and layer
-            specs = map_shapes(specs, lambda _: KVShape(1, int(kv_lora_rank), rope))
 
         # Parameters, layer by layer: attention where a layer keeps K/V, its mixer where it keeps a
         # state, its MLP (dense or experts) where it has one.
-        if kv_lora_rank is not None:
-            q_lora = c.get("q_lora_rank")
-            q = hidden * q_lora + q_lora + q_lora * num_heads * head_dim if q_lora else hidden * num_heads * head_dim
-            attn = (q + hidden * (kv_lora_rank + rope) + kv_lora_rank
-                    + kv_lora_rank * num_heads * (head_dim - rope + v_head_dim) + num_heads * v_head_dim * hidden)
-            attention = len(specs) * attn
-        else:
-            attention = sum(_attention_params(c, mt, hidden, num_heads, spec) for spec in specs)
+        latent = [_latent_attention_params(c, hidden, num_heads, head_dim, v_head_dim, s)
+                  for s in specs if isinstance(s, LatentAttention)]
+        attention = sum(_attention_params(c, mt, hidden, num_heads, spec) for spec in specs
+                        if not isinstance(spec, LatentAttention)) + sum(p for p, _ in latent)
         states = [mixer_state(c, k) for k in kinds if k in STATE_KINDS]
         sized = [s for s in states if s is not None]
         gated = 2 if mt in UNGATED_MLP_TYPES else 3  # gate, up, down (SwiGLU), or up and down
@@ -245,9 +251,12 @@ class ModelShape:
             head_dim=head_dim, v_head_dim=v_head_dim, hidden_size=hidden, vocab_size=vocab,
             max_position_embeddings=c.get("max_position_embeddings"), kv_specs=specs,
             kv_lora_rank=int(kv_lora_rank) if kv_lora_rank is not None else None, qk_rope_head_dim=rope,
+            index_n_heads=int(c.get("index_n_heads") or 0) if any(s.index_dim for s in specs
+                                                                   if isinstance(s, LatentAttention)) else 0,
             num_params=num_params, num_dense_matmul_params=dense + embed,  # + lm_head (tied or not)
             num_moe_layers=num_moe, num_experts=num_experts, num_experts_per_tok=top_k, expert_params=expert,
             norm_params=norms + hidden, whole_mixer_params=sum(s.params - s.split_params for s in sized),
+            whole_attention_params=sum(w for _, w in latent),
             layer_kinds=kinds,
             recurrent_state_elements=sum(s.recurrent for s in sized), conv_state_elements=sum(s.conv for s in sized),
             recurrent_state_dtype=recurrent_dtypes.pop() if len(recurrent_dtypes) == 1 else None,
@@ -257,47 +266,59 @@ class ModelShape:
 
     def per_rank(self, tensor_parallel_size: int) -> "ModelShape":
         """One rank's share under tensor parallelism over `tensor_parallel_size` ranks: its attention and KV
-        heads (the rank's KV figures are the model's divided by the ranks) and its weights (every matmul
+        heads (the rank's KV figures are the model's divided by the ranks) and its weights (every matmul but the routed experts and their router,
         and the embedding split, the norms whole). A fixed state stays whole on every rank (transformers'
         TP plans gather the linear-attention projections), which errs on the safe side.
 
+        Latent attention (MLA) splits its query heads and up-projections (q_b_proj / q_proj and kv_b_proj
+        colwise, o_proj rowwise) and keeps the rest whole on every rank: the down-projections (q_a_proj,
+        kv_a_proj_with_mqa: "mla_kv_a_proj" replicates it), their norms and an indexer, which
+        transformers' plans do not name. Every rank stores the whole latent row per token
+        (`kv_spec.latent_shape`), so its KV bytes per token are the model's.
+
         Raises:
-            ValueError: the ranks do not divide the heads, or latent attention (one shared K/V head).
+            ValueError: the ranks do not divide the attention heads or some layer's KV heads.
         """
         check_positive(tp=tensor_parallel_size)
         if tensor_parallel_size == 1:
             return self
-        if self.is_mla:
-            raise ValueError(f"latent attention (one shared K/V head) cannot be split over {tensor_parallel_size} "
-                             "ranks")
-        kv_heads = self.kv_head_counts or (self.num_kv_heads,)
+        kv_heads = self.kv_head_counts or (() if self.is_mla else (self.num_kv_heads,))
         if any(h % tensor_parallel_size for h in kv_heads) or self.num_attention_heads % tensor_parallel_size:
-            raise ValueError(f"tp {tensor_parallel_size} must divide the {self.num_attention_heads} attention heads "
-                             f"and {' and '.join(map(str, kv_heads))} KV heads")
+            heads = f" and {' and '.join(map(str, kv_heads))} KV heads" if kv_heads else ""
+            raise ValueError(f"tp {tensor_parallel_size} must divide the {self.num_attention_heads} attention "
+                             f"heads{heads}")
         tp = tensor_parallel_size
-        # transformers' TP plans split every matmul (attention, MLP, experts, lm_head, the gated delta rule's
-        # projections) and the embedding (rowwise over the vocabulary); the norms and the rest of a state
-        # mixer stay whole on every rank.
-        whole = self.norm_params + self.whole_mixer_params
+        # transformers' TP plans split every other matmul (attention, MLP, shared experts, lm_head, the gated
+        # delta rule's projections) and the embedding (rowwise over the vocabulary); the norms, the rest of a
+        # state mixer and MLA's unsplit projections stay whole on every rank.
+        # Routed experts and their router stay whole on every rank: transformers 5.25's plans give the
+        # experts "grouped_gemm" (expert parallelism's layout), which tensor parallelism leaves unsplit
+        # (measured on a rank's DTensors: tests/parallel), and name no router.
+        router = self.num_moe_layers * self.num_experts * self.hidden_size
+        experts = self.num_moe_layers * self.num_experts * self.expert_params
+        whole = self.norm_params + self.whole_mixer_params + self.whole_attention_params + router + experts
+        matmul_whole = self.whole_attention_params + router
+        split = lambda s: KVShape(s.num_kv_heads // tp, s.head_dim, s.head_dim_v)  # noqa: E731
         return replace(self, name=f"{self.name} (one of {tensor_parallel_size} TP ranks)",
                        num_attention_heads=self.num_attention_heads // tensor_parallel_size,
                        num_kv_heads=self.num_kv_heads // tensor_parallel_size,
-                       kv_specs=map_shapes(self.kv_specs, lambda s: KVShape(s.num_kv_heads // tp, s.head_dim,
-                                                                            s.head_dim_v)),
+                       kv_specs=tuple(s if isinstance(s, LatentAttention) else map_shapes((s,), split)[0]
+                                      for s in self.kv_specs),
                        num_params=whole + max(0, self.num_params - whole) // tensor_parallel_size,
-                       num_dense_matmul_params=self.num_dense_matmul_params // tensor_parallel_size,
-                       expert_params=self.expert_params // tensor_parallel_size)
+                       num_dense_matmul_params=matmul_whole + (self.num_dense_matmul_params - matmul_whole) // tp)
 
     def with_kv_heads(self, num_kv_heads: int) -> "ModelShape":
         """The same model with standard attention and `num_kv_heads` KV heads in every layer (MHA/GQA/MQA
         what-ifs; each layer keeps its head size, an MLA model gets its uncompressed ones)."""
         check_positive(kv_heads=num_kv_heads)
-        if self.is_mla:
+        if self.is_mla:  # standard attention over the uncompressed heads, without the indexer
             shape = KVShape(num_kv_heads, self.head_dim, self.v_head_dim)
-            specs = map_shapes(self.kv_specs, lambda _: shape)
+            specs = tuple(FullAttention(shape) if isinstance(s, LatentAttention) else replace(s, shape=shape)
+                          for s in self.kv_specs)
         else:
             specs = map_shapes(self.kv_specs, lambda s: KVShape(num_kv_heads, s.head_dim, s.head_dim_v))
-        return replace(self, num_kv_heads=num_kv_heads, kv_lora_rank=None, kv_specs=specs)
+        return replace(self, num_kv_heads=num_kv_heads, kv_lora_rank=None, index_n_heads=0, kv_specs=specs,
+                       whole_attention_params=0)
 
 
 def weight_bytes(shape: ModelShape, weight_dtype: str = "bfloat16") -> int:
@@ -308,6 +329,26 @@ def weight_bytes(shape: ModelShape, weight_dtype: str = "bfloat16") -> int:
 def _own(spec: LayerSpec) -> LayerSpec:
     """A layer's own spec (a layer reusing another's K/V: as if it stored its own): its head size."""
     return spec.reads if isinstance(spec, SharedKV) else spec
+
+
+def _latent_attention_params(c: dict, hidden: int, num_heads: int, head_dim: int, v_head_dim: int,
+                             spec: LatentAttention) -> tuple[int, int]:
+    """One MLA layer's parameters, and those of them a tensor-parallel rank keeps whole: the query
+    (q_a_proj, its norm, q_b_proj; or q_proj), kv_a_proj_with_mqa (latent and rope key) and its norm,
+    kv_b_proj (per head the nope key and the value), o_proj, and in an indexed layer the indexer (wq_b
+    from the query's low rank, wk, its key's LayerNorm, weights_proj)."""
+    rank, rope = spec.shape.head_dim, spec.shape.head_dim_v
+    q_lora = int(c.get("q_lora_rank") or 0)
+    q_down = hidden * q_lora + q_lora if q_lora else 0
+    q_up = (q_lora or hidden) * num_heads * head_dim
+    kv_down = hidden * (rank + rope) + rank
+    kv_up = rank * num_heads * (head_dim - rope + v_head_dim)  # kv_b_proj: per head the nope key and the value
+    params = q_down + q_up + kv_down + kv_up + num_heads * v_head_dim * hidden
+    indexer = 0
+    if spec.index_dim:
+        heads, dim = int(c.get("index_n_heads") or 0), spec.index_dim
+        indexer = (q_lora or hidden) * heads * dim + hidden * dim + 2 * dim + hidden * heads
+    return params + indexer, q_down + kv_down + indexer
 
 
 def _attention_params(c: dict, mt: str | None, hidden: int, num_heads: int, spec: LayerSpec) -> int:

@@ -8,6 +8,9 @@ KV bytes per token (every layer that keeps K/V, K and V):
                          (MHA: num_kv_heads = num_heads; GQA: fewer; MQA: 1)
     MLA (DeepSeek-V2/V3): num_kv_layers * (kv_lora_rank + qk_rope_head_dim) * bytes_per_element
                          (one compressed latent plus the shared rope key per layer, not x2)
+    indexed sparse attention (DeepSeek V3.2): num_kv_layers * (kv_lora_rank + qk_rope_head_dim
+                         + index_head_dim) * bytes_per_element (the indexer's key beside the latent)
+    (`kv_spec.LatentAttention.row_width`; every tensor-parallel rank keeps the whole row)
 
 Each layer's spec (`kv_spec`, the cache's own definition) says what it keeps: a sliding-window layer
 at most `sliding_window` tokens, a chunked-attention layer (Llama 4) at most its chunk, a layer that
@@ -26,7 +29,14 @@ engine's default, one per running sequence).
 Decode roofline (one step: every sequence of the batch produces one token):
 
     FLOPs(B)  = B * (2 * active_params + attention_flops(S))
-    bytes(B)  = weight_bytes_read(B) + B * kv_bytes(S)        weights are read once per step
+    bytes(B)  = weight_bytes_read(B) + B * kv_bytes_read(S)   weights are read once per step
+
+kv_bytes_read is kv_bytes but for indexed sparse attention: per layer its indexer reads every cached
+token's indexer key (S * index_head_dim) and attention reads k = min(index_topk, S) latent rows
+((kv_lora_rank + qk_rope_head_dim) each). MLA is counted in its absorbed decode form: per layer and
+query head 2 * (2 * kv_lora_rank + qk_rope_head_dim) FLOPs per key attended (scores over the latent
+and rope key, values over the latent), over k keys, plus the indexer's 2 * index_n_heads *
+index_head_dim per cached token.
     intensity = FLOPs / bytes;  ridge = peak_flops / bandwidth
     t_step   >= max(FLOPs / peak_flops, bytes / bandwidth)
 
@@ -43,16 +53,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from .configs import REFERENCE_CONFIG_DIR, load_config, reference_config_names
+from ..kv_spec import LatentAttention
 from .kv import (KVSize, attention_variants, compare_kv, kv_bytes, kv_bytes_per_layer_token, kv_bytes_per_token,
-                 kv_scale_bytes_per_token, kv_size, num_state_checkpoints, tokens_held)
+                 kv_bytes_read, kv_scale_bytes_per_token, kv_size, num_state_checkpoints, tokens_held)
 from .plan import Plan, TPOption, WeightsDoNotFit, plan, smallest_fit, tp_options, tp_sizes
 from .shape import DTYPE_NAMES, GB, GiB, ModelShape, check_positive, dtype_bytes, dtype_spec, weight_bytes
 
 __all__ = ["DTYPE_NAMES", "GB", "GiB", "GPU", "GPU_PRESETS", "REFERENCE_CONFIG_DIR", "KVSize", "ModelShape", "Plan",
            "Roofline", "TPOption", "attention_variants", "compare_kv", "decode_point", "dtype_bytes", "dtype_spec",
-           "get_gpu", "kv_bytes", "kv_bytes_per_layer_token", "kv_bytes_per_token", "kv_scale_bytes_per_token",
-           "kv_size", "load_config", "num_state_checkpoints", "plan", "reference_config_names", "roofline",
-           "smallest_fit", "tp_options", "tp_sizes", "weight_bytes", "WeightsDoNotFit"]
+           "get_gpu", "kv_bytes", "kv_bytes_per_layer_token", "kv_bytes_per_token", "kv_bytes_read",
+           "kv_scale_bytes_per_token", "kv_size", "load_config", "num_state_checkpoints", "plan",
+           "reference_config_names", "roofline", "smallest_fit", "tp_options", "tp_sizes", "weight_bytes",
+           "WeightsDoNotFit"]
 
 
 # ---------------------------------------------------------------------------------------------- roofline
@@ -118,15 +130,20 @@ def attention_flops_per_token(shape: ModelShape, seq_len: int) -> int:
     """FLOPs of QK^T and PV for one new token attending to `seq_len` cached tokens, all layers (a
     window or chunk caps a layer's tokens; a layer reusing another's K/V attends all the same), each
     by its own head size. MLA is counted in its absorbed decode form (scores over kv_lora_rank + rope,
-    values over kv_lora_rank)."""
+    values over kv_lora_rank); an indexed layer attends min(index_topk, tokens) of them, after its
+    indexer scores every one (index_n_heads dot products of index_head_dim)."""
     flops = 0
     for spec in shape.kv_layer_specs:
         own = spec.reads if not spec.owns_kv else spec
-        if shape.is_mla:
-            width = 2 * shape.kv_lora_rank + shape.qk_rope_head_dim
+        held = tokens_held(own, seq_len)
+        if isinstance(own, LatentAttention):
+            width = 2 * own.shape.head_dim + own.shape.head_dim_v
+            if own.index_topk:
+                flops += 2 * shape.index_n_heads * own.index_dim * held
+                held = min(held, own.index_topk)
         else:
             width = own.shape.head_dim + own.shape.head_dim_v
-        flops += 2 * shape.num_attention_heads * width * tokens_held(own, seq_len)
+        flops += 2 * shape.num_attention_heads * width * held
     return flops
 
 
@@ -146,7 +163,7 @@ def decode_point(shape: ModelShape, gpu: GPU, batch_size: int, seq_len: int, wei
     """Roofline numbers of one decode step of `batch_size` sequences with `seq_len` cached tokens each."""
     check_positive(batch=batch_size)
     flops = batch_size * (2 * shape.num_active_params + attention_flops_per_token(shape, seq_len))
-    nbytes = weight_bytes_read(shape, batch_size, weight_dtype) + kv_bytes(shape, seq_len, batch_size, kv_dtype)
+    nbytes = weight_bytes_read(shape, batch_size, weight_dtype) + kv_bytes_read(shape, seq_len, batch_size, kv_dtype)
     intensity = flops / nbytes
     step = max(flops / (gpu.tflops * 1e12), nbytes / (gpu.bandwidth_tbs * 1e12))
     return DecodePoint(batch_size, flops, nbytes, intensity, intensity >= gpu.ridge_point, step, batch_size / step)
@@ -196,7 +213,7 @@ def roofline(shape: ModelShape, gpu: GPU, *, seq_len: int = 1024, batch_sizes=DE
                 lo = mid + 1
         bound = hi
     flops_seq = 2 * shape.num_active_params + attention_flops_per_token(shape, seq_len)
-    kv_seq = kv_bytes(shape, seq_len, 1, kv_dtype)
+    kv_seq = kv_bytes_read(shape, seq_len, 1, kv_dtype)
     one = point(1)
     return Roofline(gpu=gpu, model=shape.name, seq_len=seq_len, weight_dtype=weight_dtype, kv_dtype=kv_dtype,
                     ridge_point=ridge, points=points, compute_bound_batch=bound,

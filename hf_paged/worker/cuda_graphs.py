@@ -61,6 +61,7 @@ from ..attention.metadata import PAGED, StepMetadata, block_table_array
 from ..hf import KVOwner
 from ..hf.rope import has_length_rope
 from ..hf.support import layer_specs_of
+from ..kv_spec import LatentAttention
 from ..hf.weights import VERSION_ATTR
 
 logger = logging.getLogger(__name__)
@@ -365,6 +366,9 @@ def check_cuda_graphs(enabled: bool | None, model: torch.nn.Module, device: torc
     elif _has_state(model):
         reason = ("CUDA graphs cannot capture recurrent layers (Mamba, linear attention): their mixers run per "
                   "sequence over state rows chosen on the host per step")
+    elif _has_indexer(model):
+        reason = ("CUDA graphs cannot capture indexed sparse attention (DeepSeek V3.2): its indexer runs per "
+                  "sequence over key counts read on the host per step")
     if reason is not None and enabled:
         raise ValueError(f"cuda_graphs=True: {reason}")
     return reason is None if enabled is None else bool(enabled)
@@ -377,13 +381,29 @@ def _has_state(model: torch.nn.Module) -> bool:
         return False
 
 
+def _has_indexer(model: torch.nn.Module) -> bool:
+    try:
+        return any(getattr(s, "index_topk", 0) for s in layer_specs_of(model.config))
+    except ValueError:
+        return False
+
+
 def _widest_head(model: torch.nn.Module) -> int:
-    """The widest K or V head of any layer the config describes (0 when it says none)."""
+    """The widest K or V head of any layer the config describes (0 when it says none) that the Triton
+    kernels do not take (a latent layer's rows go to the latent kernel, within its own limits)."""
     try:
         specs = layer_specs_of(model.config)
     except ValueError:
         return 0
-    return max((max(s.shape.head_dim, s.shape.head_dim_v) for s in specs if s.shape is not None), default=0)
+    from ..attention.triton.latent import MAX_LATENT_DIM, MAX_ROPE_DIM
+
+    def reads(s) -> bool:  # whether the Triton kernels have a limit for this layer that it passes
+        if isinstance(s, LatentAttention):
+            return s.shape.head_dim > MAX_LATENT_DIM or s.shape.head_dim_v > MAX_ROPE_DIM
+        return True
+
+    return max((max(s.shape.head_dim, s.shape.head_dim_v) for s in specs if s.shape is not None and reads(s)),
+               default=0)
 
 
 # ---------------------------------------------------------------------- the graphs

@@ -36,6 +36,7 @@ from ..hf import KVOwner, PagedCache, decoder_of
 from ..hf.linear import enable as enable_fast_linear, fast_linear
 from ..hf.multimodal import ImageEncoder, ImageFeatures, ImageItem, ImageSupport, place
 from ..hf import rope as hf_rope
+from ..hf.latent import check_latent_rows, install_latent
 from ..hf.mixers import install_mixers
 from ..hf.state import StateStep
 from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
@@ -115,6 +116,8 @@ class ModelRunner:
         self.length_rope = hf_rope.install(model)
         if self.kv.states is not None:  # recurrent mixers run per sequence in packed steps
             install_mixers(model, self.kv)
+        check_latent_rows(self.kv)  # packed steps read latent attention's rows absorbed: not quantised ones
+        install_latent(model)  # latent attention reads the paged rows absorbed; indexers select per sequence
         # Wall seconds of the latest forward: building its inputs and metadata, and the model call
         # (for a replay: filling the static inputs, and the replay, plus any capture it needed).
         self.last_metadata_seconds = 0.0

@@ -13,7 +13,7 @@ import pytest
 
 from hf_paged import Engine, SamplingParams
 from hf_paged.disagg import AsyncDisaggregatedEngine, DataParallelEngine, DisaggregatedEngine
-from tiny_models import VOCAB, tiny_paged_llama
+from tiny_models import VOCAB, tiny_paged_llama, tiny_paged_mla
 
 pytestmark = pytest.mark.slow
 
@@ -81,6 +81,20 @@ def test_greedy_and_seeded_outputs_equal_one_engine_with_exact_kv_accounting(num
         hits = sum(w["engine"].get("vllm:prefix_cache_hits", 0) for w in engine.metrics()["workers"].values())
         assert hits > 0  # the shared system prompt and the repeated prompts were served from prefix caches
     assert _gone(pids)
+
+
+def test_a_latent_attention_model_moves_its_rows_and_decodes_as_one_engine():
+    """DeepSeek V3 (MLA): a prompt's K/V move as its latent rows, (kv_lora_rank + qk_rope_head_dim) per
+    token and layer, and the decode worker continues exactly as one engine does."""
+    greedy = SamplingParams(max_new_tokens=8)
+    config = tiny_paged_mla().config
+    with DisaggregatedEngine(tiny_paged_mla, num_prefill=1, num_decode=1) as engine:
+        out = engine.generate(SHARED[:5], greedy)
+        moved = engine.metrics()["kv_bytes_transferred"]
+    expected = [o.token_ids for o in Engine(tiny_paged_mla()).generate(SHARED[:5], greedy)]
+    assert [o.token_ids for o in out] == expected
+    per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+    assert moved == sum(len(p) for p in SHARED[:5]) * per_token
 
 
 def test_streamed_tokens_join_to_the_outputs():

@@ -199,6 +199,7 @@ FAMILY_CONFIG: dict[str, dict] = {
     # Pixtral towers default to 1540px images: 12k patches and a 3k-token prompt per image (17 s a family);
     # 56px (4x4 patches of 14, merged 2x2) keeps every path and takes well under a second.
     "mistral3": {"vision_config": {"image_size": 56}},
+    "mistral_large4": {"vision_config": {"image_size": 56}},
     "lighton_ocr": {"vision_config": {"image_size": 56}},
     "inkling2": {"text_config": {"swa_num_attention_heads": 4, "swa_num_key_value_heads": 2, "swa_head_dim": 8,
                                  "sliding_window_size": 8},

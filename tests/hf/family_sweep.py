@@ -87,6 +87,8 @@ _SIZES = {
     # latent attention (DeepSeek)
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "qk_head_dim": 16, "rotary_dim": 4,
+    # indexed sparse attention (DeepSeek V3.2): fewer keys than a prompt's, so the indexer's choice decides
+    "index_topk": 4, "index_n_heads": 8, "index_head_dim": 16, "index_kpool": 4,
 }
 _DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers")
 

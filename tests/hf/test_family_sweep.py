@@ -28,11 +28,15 @@ MUST = {
                   "llama4", "llama4_text", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
                   "gemma4_unified_text",
                   # recurrent and linear-attention layers beside attention (issue 55)
-                  "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "bamba"],
+                  "qwen3_5_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "jamba", "bamba",
+                  # latent attention through the engine, and indexed sparse attention (issue 56)
+                  "deepseek_v2", "minicpm3", "glm4_moe_lite", "kimi_linear",
+                  "deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2"],
     "refused": ["mpt", "bloom", "xglm", "gpt_neox_japanese", "stablelm", "mllama", "falcon", "git",
                 "diffllama", "unlimited_ocr", "doge", "jetmoe", "idefics", "dory", "blip",
                 "phi4_multimodal",  # longrope: stock feeds one token past the threshold (issue 51)
-                "mamba", "minimax"],  # no attention layer; a state kept outside the cache API (issue 55)
+                "mamba", "minimax",  # no attention layer; a state kept outside the cache API (issue 55)
+                "deepseek_v4"],  # compressed K/V entries (issue 56)
     "fallback": ["florence2", "udop", "t5gemma2", "vision-encoder-decoder", "pp_formulanet"],
 }
 

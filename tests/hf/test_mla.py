@@ -1,13 +1,15 @@
 """Multi-head latent attention (DeepSeek-V2 / DeepSeek-V3) over a `PagedCache`.
 
-These models cache, per token and layer, a compressed latent (`kv_lora_rank` wide) in the K slot and
-the shared rotary key (`qk_rope_head_dim` wide) in the V slot, one head each, and expand them into
-per-head K/V inside their attention module after `cache.update`. So the cache stores K and V at
-their own widths, attention runs dense over the gathered latents, and the Engine (whose packed
-steps need the paged kernels) refuses them with a ValueError that says what to use instead.
+These models pass `cache.update` a compressed latent (`kv_lora_rank` wide) as K and the shared
+rotary key (`qk_rope_head_dim` wide) as V, one head each, and expand them into per-head K/V inside
+their attention module. The cache keeps them as one row per token; paged steps (the Engine, drop-in
+generate) attend over the rows with the up-projections absorbed, dense steps (a PagedCache handed to
+an sdpa model) return the latents for the module to expand as stock does. A model whose up-projection
+cannot be absorbed (a quantised or biased kv_b_proj) is refused by the Engine, naming why, and
+generate falls back to stock generation over a PagedCache.
 
 The oracle is stock `generate` (sdpa, DynamicCache): greedy token ids identical, logits within fp32
-tolerance (observed: bitwise equal, since the dense path runs the same sdpa on the same latents).
+tolerance (dense: bitwise equal, the same sdpa on the same latents; absorbed: float rounding).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transformers import AutoConfig
 
 import hf_paged
 from hf_paged import Engine
-from hf_paged.attention import dispatch
+from hf_paged.attention import dispatch, interface
 from hf_paged.hf.cache import PagedCache
 from hf_paged.planner import sizing
 from tiny_models import MLA_CONFIGS, cache_of, left_padded_batch, tiny_mla_model, with_cache
@@ -29,7 +31,8 @@ ARCHS = sorted(MLA_CONFIGS)
 LENGTHS = [5, 17, 33, 16]  # cross block boundaries for block_size 1 and 16
 NEW_TOKENS = 12
 LOGITS_ATOL = 1e-5  # fp32 on both sides, same sdpa over the same latents
-ENGINE_MESSAGE = r"cannot serve multi-head latent attention .*hf_paged_use_engine = False.*attn_implementation='sdpa'"
+ABSORBED_ATOL = 1e-4  # fp32, the absorbed sums in another order
+ENGINE_MESSAGE = r"kv_b_proj is a .*not a plain floating-point nn.Linear without bias.*attn_implementation='sdpa'"
 
 
 def _generate(model, input_ids, attention_mask, **kwargs):
@@ -42,21 +45,25 @@ def _with_logits(model, input_ids, attention_mask, **kwargs):
     return _generate(model, input_ids, attention_mask, output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
-def _assert_same(ref, out):
+def _assert_same(ref, out, atol=LOGITS_ATOL):
     assert torch.equal(ref.sequences, out.sequences)
     for step, (a, b) in enumerate(zip(ref.logits, out.logits)):
-        torch.testing.assert_close(b, a, atol=LOGITS_ATOL, rtol=0, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(b, a, atol=atol, rtol=0, msg=lambda m: f"step {step}: {m}")
 
 
 def _latent_bytes_per_token(config, itemsize=4):
-    return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * itemsize
+    indexed = "indexed_attention" in (getattr(config, "layer_types", None) or [])
+    index = config.index_head_dim if indexed else 0  # DeepSeek V3.2's indexer key, in the same row
+    return config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim + index) * itemsize
 
 
 @pytest.fixture
 def count_paged_calls(monkeypatch):
-    calls = []
-    original = dispatch.paged_attention
-    monkeypatch.setattr(dispatch, "paged_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    calls = []  # per paged attention call, its latent width (None: plain K/V), or "sparse" (indexed layers)
+    original, sparse = dispatch.paged_attention, interface.sparse_latent_attention
+    monkeypatch.setattr(dispatch, "paged_attention",
+                        lambda *a, **k: calls.append(k.get("latent_dim")) or original(*a, **k))
+    monkeypatch.setattr(interface, "sparse_latent_attention", lambda *a, **k: calls.append("sparse") or sparse(*a, **k))
     return calls
 
 
@@ -68,21 +75,21 @@ def test_generate_left_padded_batch_matches_stock(arch, count_paged_calls):
     model.set_attn_implementation("hf_paged")
     for block_size in (1, 16):
         model.hf_paged_cache_config = hf_paged.PagedCacheConfig(block_size=block_size)
+        _assert_same(ref, _with_logits(model, input_ids, attention_mask), ABSORBED_ATOL)  # the Engine
+        model.hf_paged_use_engine = False  # stock generation over a PagedCache, attached: paged steps
         out = _with_logits(model, input_ids, attention_mask)
-        _assert_same(ref, out)
+        del model.hf_paged_use_engine
+        _assert_same(ref, out, ABSORBED_ATOL)
         cache = cache_of(out)
         assert isinstance(cache, PagedCache) and cache.has_latent_kv
         stats = cache.stats()
         # Only real tokens are stored (the last generated token has no K/V yet), at the latents' size.
         assert stats["num_tokens"] == sum(LENGTHS) + len(LENGTHS) * (NEW_TOKENS - 1)
         assert stats["bytes_per_token"] == _latent_bytes_per_token(model.config)
-    assert count_paged_calls == []  # attention ran dense over the gathered latents
-
-    # Without output flags generate would be served by the Engine; with it switched off, plain
-    # generate (tensor output) takes stock generation over a PagedCache.
-    model.hf_paged_use_engine = False
-    plain = _generate(model, input_ids, attention_mask)
-    assert torch.equal(plain, ref.sequences)
+    # attention read the rows in place, absorbed, at the latent's width
+    assert len(count_paged_calls) >= 2 * 2 * NEW_TOKENS * model.config.num_hidden_layers
+    indexed = "indexed_attention" in (getattr(model.config, "layer_types", None) or [])
+    assert set(count_paged_calls) == ({"sparse"} if indexed else {model.config.kv_lora_rank})
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -117,22 +124,41 @@ def test_generate_with_triton_store_kv_matches_stock(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_engine_refuses_latent_attention_and_says_what_to_use(arch):
-    """Engine steps are packed [1, num_tokens] rows that only the paged kernels can attend over, and
-    these models never hand the blocks to a kernel: the Engine refuses them when it is built, with a
-    ValueError that says what to use instead."""
+def test_engine_serves_latent_attention_as_stock(arch):
+    """The Engine serves MLA models (packed steps over the rows, absorbed): greedy tokens are stock's."""
     model = tiny_mla_model(arch, "hf_paged")
-    with pytest.raises(ValueError, match=ENGINE_MESSAGE):
-        Engine(model, block_size=4, num_blocks=32)
-    cache = PagedCache(model.config, hf_paged.PagedCacheConfig(block_size=4, num_blocks=32))
-    with pytest.raises(ValueError, match=ENGINE_MESSAGE):  # nor can a cache plan packed steps for them
-        cache.kv.new_sequence()
-    assert all(not layer.is_initialized for layer in cache.layers)  # no forward ran
-
-    # generate() on an hf_paged model falls back from the Engine to stock generation over a PagedCache.
-    input_ids, attention_mask = left_padded_batch([5, 9], seed=5)
+    input_ids, attention_mask = left_padded_batch([5, 9, 30], seed=5)
     ref = _generate(tiny_mla_model(arch), input_ids, attention_mask)
     assert torch.equal(_generate(model, input_ids, attention_mask), ref)
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+    outs = Engine(model, block_size=4, num_blocks=64).generate(prompts, hf_paged.SamplingParams(
+        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS))
+    assert [o.token_ids for o in outs] == [row[input_ids.shape[1]:].tolist() for row in ref]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_refuses_an_up_projection_it_cannot_absorb_and_generate_falls_back(arch):
+    """A kv_b_proj with a bias (or quantised, or any Linear subclass) cannot be folded into the query: the
+    Engine refuses the model with a ValueError naming it, and generate() takes stock generation over a
+    PagedCache (dense: the module expands the latents itself)."""
+    model = tiny_mla_model(arch, "hf_paged")
+    stock = tiny_mla_model(arch)
+    for m in (model, stock):
+        for module in m.modules():
+            if hasattr(module, "kv_b_proj"):
+                proj = module.kv_b_proj
+                biased = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
+                with torch.no_grad():
+                    biased.weight.copy_(proj.weight)
+                    biased.bias.copy_(torch.linspace(-0.1, 0.1, proj.out_features))
+                module.kv_b_proj = biased
+    with pytest.raises(ValueError, match=ENGINE_MESSAGE):
+        Engine(model, block_size=4, num_blocks=32)
+    input_ids, attention_mask = left_padded_batch([5, 9], seed=5)
+    ref = _with_logits(stock, input_ids, attention_mask)
+    out = _with_logits(model, input_ids, attention_mask)
+    _assert_same(ref, out)
+    assert torch.equal(_generate(model, input_ids, attention_mask), ref.sequences)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

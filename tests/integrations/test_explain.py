@@ -115,10 +115,16 @@ def test_positional_arguments_are_explained_and_logged_by_the_generate_wrap(engi
     assert explained.reason in _fallback_records(caplog)[0]
 
 
-def test_latent_attention_is_explained_and_logged(engine_calls, caplog):
+def test_latent_attention_goes_to_the_engine_unless_its_up_projection_cannot_be_absorbed(engine_calls, caplog):
     model = tiny_mla_model("deepseek_v2", "hf_paged")
+    assert explain(model, **_call()).path == ENGINE  # absorbed latent attention over the paged rows
+    for module in model.modules():
+        if hasattr(module, "kv_b_proj"):  # a biased up-projection cannot be folded into the query
+            proj = module.kv_b_proj
+            module.kv_b_proj = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
     explained = explain(model, **_call())
     assert explained.path == STOCK_PAGED_CACHE and explained.reason.startswith("latent attention (MLA)")
+    assert "kv_b_proj" in explained.reason
     with caplog.at_level(logging.INFO, logger="hf_paged"):
         model.generate(**_call())
     assert engine_calls == [False] and [explained.reason in m for m in _fallback_records(caplog)] == [True]

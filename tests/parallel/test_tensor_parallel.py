@@ -1,8 +1,9 @@
 """Tensor parallelism (`hf_paged.parallel`): a tiny model split over 2 ranks under torchrun (gloo on CPU)
 gives exactly the single-process output through `Engine.generate` and drop-in `generate`, greedy and
 seeded-sampled, with and without preemption, on every rank; each rank's pool holds half the K/V bytes
-per token, as `hf-paged kv-size --tp 2` says, and a recurrent model (Qwen 3.5's gated delta rule) keeps
-its whole per-sequence state on every rank."""
+per token, as `hf-paged kv-size --tp 2` says, a recurrent model (Qwen 3.5's gated delta rule) keeps
+its whole per-sequence state on every rank, and a latent-attention model (DeepSeek V3: transformers splits
+its query heads and up-projection) keeps the whole latent row per token on every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-from tiny_models import tiny_model
+from tiny_models import MLA_CONFIGS, tiny_mla_model, tiny_model
 
 WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -29,10 +30,11 @@ def _launch(model_dir, out, nproc: int = 2) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "deepseek_v3"])
 def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
     model_dir = tmp_path / arch
-    tiny_model(arch).save_pretrained(model_dir)
+    latent = arch in MLA_CONFIGS
+    (tiny_mla_model(arch) if latent else tiny_model(arch)).save_pretrained(model_dir)
     out = tmp_path / "out.json"
     _launch(model_dir, out)
     single = json.loads(out.read_text())
@@ -42,8 +44,10 @@ def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
             assert got[key] == single[key], f"{key} on rank {rank}"
     assert ranks[0]["dropin_greedy"] == single["stock_greedy"]  # and that is stock's
     assert ranks[0]["preemptions"] > 0 and ranks[0]["dropin_steps"] > 0  # the engine preempted; drop-in ran it
-    # Each rank's pool holds its half of the KV heads: half the bytes per token, as the planner says.
-    assert ranks[0]["bytes_per_token"] == ranks[1]["bytes_per_token"] == single["bytes_per_token"] // 2
+    # Each rank's pool holds its half of the KV heads: half the bytes per token, as the planner says; a latent
+    # row (one head every query head reads) is whole on every rank.
+    share = single["bytes_per_token"] if latent else single["bytes_per_token"] // 2
+    assert ranks[0]["bytes_per_token"] == ranks[1]["bytes_per_token"] == share
     # A recurrent layer's state is whole on every rank (transformers gathers the mixer's outputs).
     assert ranks[0]["state_bytes_per_row"] == ranks[1]["state_bytes_per_row"] == single["state_bytes_per_row"]
     assert (single["state_bytes_per_row"] > 0) == (arch == "qwen3_5")

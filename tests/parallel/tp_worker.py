@@ -42,7 +42,7 @@ def padded(rows: list[list[int]]):
 
 def pool_bytes_per_token(engine: Engine) -> int:
     kv = engine.kv
-    total = sum(t.numel() * t.element_size() for layer in kv.slot_owners() for t in (layer.keys, layer.values))
+    total = sum(t.numel() * t.element_size() for layer in kv.slot_owners() for t in layer.payload())
     return total // (kv.num_blocks * kv.block_size)
 
 

@@ -272,7 +272,7 @@ def test_plots_render_png(tmp_path, capsys):
     (["roofline", "llama-3-8b", "--weight-dtype", "fp5"], "unknown dtype"),
     (["plan", "llama-3-8b", "--seq-len", "-100"], "seq-len must be positive"),
     (["plan", "llama-3-8b", "--utilization", "1.5", "--memory-gb", "80"], "utilization"),
-    (["plan", "deepseek-v3", "--gpu", "h100-sxm"], "do not fit"),  # latent attention: no TP split to suggest
+    (["plan", "llama-3-8b", "--memory-gb", "1"], "do not fit"),  # 8 KV heads: no split as small as 1 GB a device
     (["plan", "llama-3-8b", "--block-size", "0"], "block-size must be positive"),
 ])
 def test_bad_input_is_one_line_and_nonzero(capsys, argv, message):

@@ -16,7 +16,10 @@
    Work is split into (sequence, key split) items over every head, so a block's K and then its V
    are each read as one contiguous [block_size, Hkv, D] run, and every K or V row is loaded once for
    the query heads that share it. Each item keeps a running max, denominator and unnormalised output
-   per row (row = query * Hq + head), merged into `out` by a second pass. */
+   per row (row = query * Hq + head), merged into `out` by a second pass.
+
+   `hf_paged_latent_attention_f32`, at the end, is the same for latent attention (absorbed MLA: one
+   row per token that is both K and, as its prefix, V, shared by every query head). */
 
 #include <math.h>
 #include <stddef.h>
@@ -249,6 +252,243 @@ int hf_paged_attention_f32(
             }
             const vf inv = vsplat(den > 0.f ? 1.f / den : 0.f);
             for (int e = 0; e < Dv; e += W) vstore(dst + e, vload(dst + e) * inv);
+        }
+    }
+    return 0;
+}
+
+/* ---- Latent attention (absorbed MLA) ------------------------------------------------------------
+   Every query head of a sequence reads the same row per token: K is the row's first D = L + R
+   columns (latent, rotary key), V its first L. A work item (sequence, head group, key split) takes
+   each block once and, per tile of LRT query rows (row = query * heads_per_group + head), scores
+   LTT tokens at a time (a rows x tokens tile of dot products, LRT + LTT loads per LRT * LTT FMAs),
+   updates the rows' online softmax, then accumulates P V in tiles of LRT rows x LCT chunks of V
+   while the block is still in L1/L2. Widths need not be multiples of the lanes: a row's last,
+   partial chunk is loaded through a zero-filled copy, so nothing past column D of a row (the
+   indexer's key, the next row, the end of the pool) is ever read. The tiles fit AVX-512's 32
+   registers (16 accumulators and their operands). */
+
+#define LRT 4  /* query rows per tile */
+#define LTT 4  /* tokens scored together (vsum4) */
+#define LCT 4  /* chunks of V accumulated together */
+#define LPS (MAXBS + W)  /* a tile row's scores */
+
+static inline vf vload_part(const float *p, int n) {
+    float b[W] = {0};
+    for (int i = 0; i < n; i++) b[i] = p[i];
+    return vload(b);
+}
+
+/* s[0..3] = the lane sums of a, b, c, d: one shuffle tree for four dot products */
+static inline void vsum4(vf a, vf b, vf c, vf d, float *s) {
+    typedef float v8 __attribute__((vector_size(32)));
+    typedef float v4 __attribute__((vector_size(16)));
+    const vf x = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf y = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+               + __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const vf z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+               + __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const v8 w = __builtin_shufflevector(z, z, 0, 1, 4, 5, 8, 9, 12, 13)
+               + __builtin_shufflevector(z, z, 2, 3, 6, 7, 10, 11, 14, 15);
+    const v4 r = __builtin_shufflevector(w, w, 0, 2, 4, 6) + __builtin_shufflevector(w, w, 1, 3, 5, 7);
+    s[0] = r[0]; s[1] = r[1]; s[2] = r[2]; s[3] = r[3];
+}
+
+/* sc[j * LPS + u] = scale * q_j . k_u over D columns, for `nr` rows and the LTT tokens `kt`
+   (`kn`: rows of the block AHEAD blocks on, prefetched a line at a time meanwhile, or NULL). */
+static inline __attribute__((always_inline)) void latent_scores(
+    const int nr, const float *const *qp, const float *const *kt, const float *const *kn, int D, float scale,
+    float *sc)
+{
+    vf a[LRT][LTT];
+    for (int j = 0; j < nr; j++)
+        for (int u = 0; u < LTT; u++) a[j][u] = vsplat(0.f);
+    int c = 0;
+    for (; c + W <= D; c += W) {
+        if (kn)
+            for (int u = 0; u < LTT; u++) __builtin_prefetch(kn[u] + c, 0, 1);
+        vf qv[LRT];
+        for (int j = 0; j < nr; j++) qv[j] = vload(qp[j] + c);
+        for (int u = 0; u < LTT; u++) {
+            const vf kv = vload(kt[u] + c);
+            for (int j = 0; j < nr; j++) a[j][u] += qv[j] * kv;
+        }
+    }
+    if (c < D) {
+        for (int u = 0; u < LTT; u++) {
+            const vf kv = vload_part(kt[u] + c, D - c);
+            for (int j = 0; j < nr; j++) a[j][u] += vload_part(qp[j] + c, D - c) * kv;
+        }
+    }
+    for (int j = 0; j < nr; j++) {
+        float s[LTT];
+        vsum4(a[j][0], a[j][1], a[j][2], a[j][3], s);
+        for (int u = 0; u < LTT; u++) sc[j * LPS + u] = s[u] * scale;
+    }
+}
+
+/* acc[j] = acc[j] * alpha[j] + sum over t < nt of p[j][t] v_t, over `nc` chunks from column 0 of `vb`
+   (the last chunk holding `last` columns, W: a whole one); acc rows are Lp apart. */
+static inline __attribute__((always_inline)) void latent_values(
+    const int nr, const int nc, const int last, const float *sc, const float *vb, int64_t tst, int nt,
+    float *acc, int Lp, const float *alpha)
+{
+    vf o[LRT][LCT];
+    for (int j = 0; j < nr; j++)
+        for (int c = 0; c < nc; c++) o[j][c] = vload(acc + (int64_t)j * Lp + c * W) * vsplat(alpha[j]);
+    for (int t = 0; t < nt; t++) {
+        const float *v = vb + t * tst;
+        vf vv[LCT];
+        for (int c = 0; c < nc; c++) vv[c] = c == nc - 1 && last < W ? vload_part(v + c * W, last) : vload(v + c * W);
+        for (int j = 0; j < nr; j++) {
+            const vf p = vsplat(sc[j * LPS + t]);
+            for (int c = 0; c < nc; c++) o[j][c] += p * vv[c];
+        }
+    }
+    for (int j = 0; j < nr; j++)
+        for (int c = 0; c < nc; c++) vstore(acc + (int64_t)j * Lp + c * W, o[j][c]);
+}
+
+/* One tile of `nr` rows over one block's first `nt` tokens: row j sees tokens [0, hi[j]), ntile is the
+   largest hi. m, l, acc: the rows' running max, denominator and [nr, Lp] unnormalised output. `ka`:
+   the block AHEAD blocks on, which the block's first tile prefetches as it scores (NULL: none). */
+static inline __attribute__((always_inline)) void latent_tile(
+    const int nr, const float *const *qp, const int *hi, int ntile, int nt,
+    const float *kb, const float *ka, int64_t tst, int D, int L, int Lp, float scale,
+    float *m, float *l, float *acc)
+{
+    float sc[LRT * LPS];
+    for (int t = 0; t < ntile; t += LTT) {
+        const float *kt[LTT], *kn[LTT];
+        for (int u = 0; u < LTT; u++) {
+            const int tt = t + u < nt ? t + u : nt - 1;  /* a padded tile column scores a real row, unused */
+            kt[u] = kb + tt * tst;
+            kn[u] = ka ? ka + tt * tst : NULL;
+        }
+        latent_scores(nr, qp, kt, ka ? kn : NULL, D, scale, sc + t);
+    }
+    const int tv = (ntile + W - 1) / W * W;
+    float alpha[LRT];
+    for (int j = 0; j < nr; j++) {
+        float *row = sc + j * LPS;
+        const int h = hi[j] > 0 ? hi[j] : 0;
+        float bm = -INFINITY;
+        for (int t = 0; t < h; t++) bm = row[t] > bm ? row[t] : bm;
+        for (int t = h; t < tv; t++) row[t] = -INFINITY;
+        const float nm = bm > m[j] ? bm : m[j];
+        if (nm == -INFINITY) {  /* nothing seen yet: its weights stay 0 and its output 0 */
+            alpha[j] = 1.f;
+            for (int t = 0; t < tv; t++) row[t] = 0.f;
+            continue;
+        }
+        alpha[j] = m[j] == -INFINITY ? 0.f : expf(m[j] - nm);
+        vf psum = vsplat(0.f);
+        for (int t = 0; t < tv; t += W) {
+            const vf p = vexp(vload(row + t) - vsplat(nm));
+            vstore(row + t, p);
+            psum += p;
+        }
+        l[j] = l[j] * alpha[j] + vsum(psum);
+        m[j] = nm;
+    }
+    int c = 0;
+    for (; c + LCT * W <= L; c += LCT * W) latent_values(nr, LCT, W, sc, kb + c, tst, ntile, acc + c, Lp, alpha);
+    for (; c < L; c += W) latent_values(nr, 1, L - c < W ? L - c : W, sc, kb + c, tst, ntile, acc + c, Lp, alpha);
+}
+
+#define LTILE(NR) latent_tile(NR, qp, hi, ntile, nt, kb, r == 0 ? ka : NULL, kv_tst, D, L, Lp, scale, \
+                              m + r, l + r, acc + (int64_t)r * Lp)
+
+/* Returns 0; -1 for shapes it does not take (block sizes above 64, empty widths or counts); -2 for
+   metadata that would take it outside its tensors (cu_q not from 0 to T, a run longer than its
+   sequence or than max_rows allows, a sequence longer than its block-table row); -3 for a block id
+   outside the pool. All are checked before anything is read through them or written. */
+int hf_paged_latent_attention_f32(
+    const float *q, int64_t q_st, int64_t q_sh, int T,          /* [T, H, L + R], strides in elements, last 1 */
+    const float *kv, int64_t kv_bst, int64_t kv_tst, int NB,    /* rows [NB, BS, >= L + R]: block, token strides */
+    const int32_t *bt, int64_t bt_stride, int bt_width,          /* [S, bt_width] */
+    const int32_t *seq_lens, const int32_t *cu_q,                /* [S], [S + 1]: query run s is q[cu_q[s]:cu_q[s+1]] */
+    int S, int H, int L, int R, int BS, float scale,
+    int nsplit, int hpg, int max_rows,                           /* key splits; heads per group; rows of an item */
+    float *part_ml, float *part_acc,                             /* [S, G, nsplit, 2, max_rows], [S, G, nsplit, max_rows, Lp] */
+    float *out, int nthreads)                                    /* [T, H, L] contiguous */
+{
+    if (L < 1 || R < 0 || BS < 1 || BS > MAXBS || H < 1 || nsplit < 1 || hpg < 1 || max_rows < 1 || S < 0) return -1;
+    if (cu_q[0] != 0 || cu_q[S] != T) return -2;
+    for (int s = 0; s < S; s++) {
+        const int ql = cu_q[s + 1] - cu_q[s], Lk = seq_lens[s];
+        const int64_t nblk = ((int64_t)Lk + BS - 1) / BS;
+        if (ql < 0 || Lk < ql || (int64_t)ql * (hpg < H ? hpg : H) > max_rows || nblk > bt_width) return -2;
+        for (int b = 0; b < nblk; b++)
+            if (bt[(int64_t)s * bt_stride + b] < 0 || bt[(int64_t)s * bt_stride + b] >= NB) return -3;
+    }
+    const int D = L + R, Lp = (L + W - 1) / W * W, G = (H + hpg - 1) / hpg;
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int s = 0; s < S; s++)
+    for (int g = 0; g < G; g++)
+    for (int sp = 0; sp < nsplit; sp++) {
+        const int64_t item = ((int64_t)s * G + g) * nsplit + sp;
+        const int q0 = cu_q[s], ql = cu_q[s + 1] - cu_q[s], Lk = seq_lens[s];
+        const int h0 = g * hpg, hn = H - h0 < hpg ? H - h0 : hpg, nrow = ql * hn;
+        float *m = part_ml + item * 2 * max_rows, *l = m + max_rows;
+        float *acc = part_acc + item * max_rows * Lp;
+        for (int r = 0; r < nrow; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+        for (int64_t e = 0; e < (int64_t)nrow * Lp; e++) acc[e] = 0.f;
+        if (ql <= 0) continue;
+        const int first_pos = Lk - ql, nblk = (Lk + BS - 1) / BS;
+        const int per = (nblk + nsplit - 1) / nsplit, bs = sp * per;
+        const int be = bs + per < nblk ? bs + per : nblk;
+        for (int b = bs; b < be; b++) {
+            const float *kb = kv + bt[(int64_t)s * bt_stride + b] * kv_bst;
+            const float *ka = b + AHEAD < be ? kv + bt[(int64_t)s * bt_stride + b + AHEAD] * kv_bst : NULL;
+            const int t0 = b * BS, nt = Lk - t0 < BS ? Lk - t0 : BS;
+            for (int r = 0; r < nrow; r += LRT) {
+                const int n = nrow - r < LRT ? nrow - r : LRT;
+                const float *qp[LRT];
+                int hi[LRT], ntile = 0;
+                for (int j = 0; j < n; j++) {
+                    const int i = (r + j) / hn, h = h0 + (r + j) % hn;
+                    qp[j] = q + (int64_t)(q0 + i) * q_st + (int64_t)h * q_sh;
+                    hi[j] = first_pos + i + 1 - t0 < nt ? first_pos + i + 1 - t0 : nt;
+                    ntile = hi[j] > ntile ? hi[j] : ntile;
+                }
+                if (ntile <= 0) continue;  /* a block after every query of the tile */
+                switch (n) {
+                case 1: LTILE(1); break;
+                case 2: LTILE(2); break;
+                case 3: LTILE(3); break;
+                default: LTILE(4); break;
+                }
+            }
+        }
+    }
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (int s = 0; s < S; s++)
+    for (int g = 0; g < G; g++) {
+        const int q0 = cu_q[s], ql = cu_q[s + 1] - cu_q[s];
+        const int h0 = g * hpg, hn = H - h0 < hpg ? H - h0 : hpg;
+        const int64_t item0 = ((int64_t)s * G + g) * nsplit;
+        for (int r = 0; r < ql * hn; r++) {
+            float *dst = out + ((int64_t)(q0 + r / hn) * H + h0 + r % hn) * L;
+            float M = -INFINITY, den = 0.f;
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float mm = part_ml[(item0 + sp) * 2 * max_rows + r];
+                M = mm > M ? mm : M;
+            }
+            for (int e = 0; e < L; e++) dst[e] = 0.f;
+            for (int sp = 0; sp < nsplit; sp++) {
+                const float *mp = part_ml + (item0 + sp) * 2 * max_rows;
+                if (mp[r] == -INFINITY) continue;
+                const float w = expf(mp[r] - M);
+                den += mp[max_rows + r] * w;
+                const float *a = part_acc + ((item0 + sp) * max_rows + r) * Lp;
+                int e = 0;
+                for (; e + W <= L; e += W) vstore(dst + e, vload(dst + e) + vsplat(w) * vload(a + e));
+                for (; e < L; e++) dst[e] += w * a[e];
+            }
+            const float inv = den > 0.f ? 1.f / den : 0.f;
+            for (int e = 0; e < L; e++) dst[e] *= inv;
         }
     }
     return 0;
