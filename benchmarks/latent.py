@@ -57,9 +57,9 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput import build_workload, run_static  # noqa: E402  (benchmarks/ is not a package)
+from hybrid import run_engine  # noqa: E402  (benchmarks/ is not a package): the same engine run, timed alike
+from throughput import build_workload, run_static  # noqa: E402
 
-from hf_paged import Engine, SamplingParams  # noqa: E402
 from hf_paged.attention import backend as attention_backends  # noqa: E402
 from hf_paged.attention import cpu_kernel, dispatch  # noqa: E402
 from hf_paged.attention.backend import LayerCall  # noqa: E402
@@ -87,29 +87,6 @@ def latent_model(vocab_size: int, pad_token_id: int, eos_token_id: int, bos_toke
     model = DeepseekV3ForCausalLM(config).eval()
     model.set_attn_implementation("sdpa")
     return model
-
-
-def run_engine(model, requests, args) -> dict:
-    """The whole workload through one Engine (built and warmed up untimed), stepped by `generate`."""
-    engine = Engine(model, tokenizer=None, max_num_seqs=args.max_num_seqs,
-                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                    show_progress=False)
-    params = [SamplingParams(max_new_tokens=r.n, min_new_tokens=r.n) for r in requests]
-    engine.generate([requests[0].prompt[:8]] * 2, [SamplingParams(max_new_tokens=2, min_new_tokens=2)] * 2)
-    engine.reset_metrics()
-    start = time.perf_counter()
-    outs = engine.generate([r.prompt for r in requests], params)
-    wall = time.perf_counter() - start
-    errors = [o.error for o in outs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} engine request(s) failed, the first: {errors[0]!r}")
-    if any(len(o.token_ids) != r.n for o, r in zip(outs, requests)):
-        raise RuntimeError("an engine request produced the wrong number of tokens")
-    profile = engine.step_profile()
-    metrics = engine.metrics()
-    model.set_attn_implementation("sdpa")
-    return dict(wall=wall, outputs=[list(o.token_ids) for o in outs], profile=profile,
-                preemptions=metrics["vllm:num_preemptions"])
 
 
 def throughput(model, requests, pad_id: int, args) -> dict:
@@ -297,6 +274,7 @@ def parse_args(argv=None):
     # throughput.build_workload's fields: every request produces exactly max_new_tokens.
     args.min_output = args.max_output = args.max_new_tokens
     args.max_model_len = -(-(args.max_prompt + args.max_new_tokens) // 256) * 256
+    args.state_checkpoint_interval = None  # hybrid.run_engine's engine option (a recurrent model's; none here)
     return args
 
 

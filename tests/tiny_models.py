@@ -264,3 +264,17 @@ def save_tiny_llama_folder(path):
 def tiny_paged_mla():
     """The tiny DeepSeek V3 (latent attention) on "hf_paged": a picklable factory for engine workers."""
     return tiny_mla_model("deepseek_v3", "hf_paged")
+
+
+def bias_up_projections(*models, span: float = 0.1) -> None:
+    """Give every latent-attention kv_b_proj of `models` the same bias (linspace over +-span): its weight alone
+    is then no longer the up-projection, so absorbed attention must refuse it."""
+    for model in models:
+        for module in model.modules():
+            if hasattr(module, "kv_b_proj"):
+                proj = module.kv_b_proj
+                biased = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
+                with torch.no_grad():
+                    biased.weight.copy_(proj.weight)
+                    biased.bias.copy_(torch.linspace(-span, span, proj.out_features))
+                module.kv_b_proj = biased

@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from ..attention.interface import UnsupportedModelError, is_paged_blocks
+from ..attention.latent import absorb_refusal
 from .indexer import indexer_refusal, install_indexers
 from .support import has_latent_kv
 
@@ -45,19 +46,22 @@ def latent_refusal(model: torch.nn.Module) -> str | None:
         missing = [name for name in _NEEDED if not hasattr(module, name)]
         if missing:
             return f"its {type(module).__name__} has no {missing}, which absorbing kv_b_proj needs"
-        if not _absorbable(proj):
-            return (f"its {type(module).__name__}.kv_b_proj is a {type(proj).__name__} "
-                    f"({getattr(getattr(proj, 'weight', None), 'dtype', None)}, bias={getattr(proj, 'bias', None) is not None}), "
+        if not _absorbable(module):
+            dtype = getattr(getattr(proj, "weight", None), "dtype", None)
+            biased = getattr(proj, "bias", None) is not None
+            return (f"its {type(module).__name__}.kv_b_proj is a {type(proj).__name__} ({dtype}, bias={biased}), "
                     "not a plain floating-point nn.Linear without bias whose weight is here (not offloaded), so it "
                     "cannot be absorbed into the query")
     return indexer_refusal(model)
 
 
-def _absorbable(proj) -> bool:
-    """Whether `proj`'s weight is the whole up-projection, readable as it is: a plain `nn.Linear` without
-    bias (no LoRA or quantised wrapper), a floating-point weight that is a tensor here (not on the meta
-    device behind an offloading hook, not a tensor subclass but a tensor-parallel DTensor)."""
-    if type(proj) is not torch.nn.Linear or proj.bias is not None or hasattr(proj, "_hf_hook"):
+def _absorbable(module) -> bool:
+    """Whether `module.kv_b_proj`'s weight is the whole up-projection, readable as it is: a plain `nn.Linear`
+    without bias (`attention.latent.absorb_refusal`: no LoRA or quantised wrapper), a floating-point weight
+    that is a tensor here (not on the meta device behind an offloading hook, not a tensor subclass but a
+    tensor-parallel DTensor)."""
+    proj = module.kv_b_proj
+    if absorb_refusal(module) is not None or hasattr(proj, "_hf_hook"):
         return False
     weight = proj.weight
     plain = type(weight) in (torch.nn.Parameter, torch.Tensor) or hasattr(weight, "to_local")

@@ -457,8 +457,7 @@ def kv_head_shapes(config, tensor_parallel_size: int = 1) -> tuple[int, int, int
             K/V shape (per-layer shapes: read `layer_specs_of`).
     """
     text = config.get_text_config(decoder=True)
-    if has_latent_kv(config):  # one shared latent head, whole on every rank
-        return 1, text.kv_lora_rank, text.qk_rope_head_dim
+    # (a latent-attention layer's: one shared head, latent and rotary key, whole on every rank: `kv_spec.latent_shape`)
     shapes = {spec.shape for spec in layer_specs_of(config, tensor_parallel_size) if spec.owns_kv}
     if not shapes:
         raise ValueError(f"hf_paged: no layer of model_type={text.model_type!r} stores K/V")

@@ -18,7 +18,7 @@ from hf_paged.attention import dispatch, interface
 from hf_paged.cli import main
 from hf_paged.hf import PagedCache
 from layer_kinds import engine_scenario, greedy_alone, left_padded, random_rows
-from tiny_models import MLA_CONFIGS, tiny_mla_model
+from tiny_models import MLA_CONFIGS, bias_up_projections, tiny_mla_model
 
 ARCHS = [arch for arch in ("deepseek_v3", "deepseek_v32") if arch in MLA_CONFIGS]
 BLOCK = 16
@@ -216,19 +216,6 @@ def test_a_paged_step_refuses_an_indexer_it_did_not_install():
     assert step.mode == "paged"
 
 
-def _bias_up_projections(*models) -> None:
-    """Give every kv_b_proj a bias (the same in each model): a weight alone no longer absorbs it."""
-    for model in models:
-        for module in model.modules():
-            if hasattr(module, "kv_b_proj"):
-                proj = module.kv_b_proj
-                biased = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
-                with torch.no_grad():
-                    biased.weight.copy_(proj.weight)
-                    biased.bias.copy_(torch.linspace(-0.5, 0.5, proj.out_features))
-                module.kv_b_proj = biased
-
-
 def test_an_up_projection_replaced_after_serving_is_never_absorbed():
     """A model the engine served once (its modules wrapped), whose kv_b_proj is then replaced (a LoRA
     adapter, a bias): generate() runs it dense, as stock, and the engine built before refuses its steps,
@@ -238,7 +225,7 @@ def test_an_up_projection_replaced_after_serving_is_never_absorbed():
     gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(paged.generate(ids, attention_mask=mask, **gen), stock.generate(ids, attention_mask=mask, **gen))
     engine = Engine(paged, block_size=BLOCK, num_blocks=32)
-    _bias_up_projections(stock, paged)
+    bias_up_projections(stock, paged, span=0.5)
     expected = stock.generate(ids, attention_mask=mask, **gen)
     assert torch.equal(paged.generate(ids, attention_mask=mask, **gen), expected)
     paged.hf_paged_use_engine = False  # stock generation over an attached PagedCache: its steps run dense too

@@ -25,7 +25,7 @@ from hf_paged import Engine
 from hf_paged.attention import dispatch, interface
 from hf_paged.hf.cache import PagedCache
 from hf_paged.planner import sizing
-from tiny_models import MLA_CONFIGS, cache_of, left_padded_batch, tiny_mla_model, with_cache
+from tiny_models import MLA_CONFIGS, bias_up_projections, cache_of, left_padded_batch, tiny_mla_model, with_cache
 
 ARCHS = sorted(MLA_CONFIGS)
 LENGTHS = [5, 17, 33, 16]  # cross block boundaries for block_size 1 and 16
@@ -143,15 +143,7 @@ def test_engine_refuses_an_up_projection_it_cannot_absorb_and_generate_falls_bac
     PagedCache (dense: the module expands the latents itself)."""
     model = tiny_mla_model(arch, "hf_paged")
     stock = tiny_mla_model(arch)
-    for m in (model, stock):
-        for module in m.modules():
-            if hasattr(module, "kv_b_proj"):
-                proj = module.kv_b_proj
-                biased = torch.nn.Linear(proj.in_features, proj.out_features, bias=True)
-                with torch.no_grad():
-                    biased.weight.copy_(proj.weight)
-                    biased.bias.copy_(torch.linspace(-0.1, 0.1, proj.out_features))
-                module.kv_b_proj = biased
+    bias_up_projections(model, stock)
     with pytest.raises(ValueError, match=ENGINE_MESSAGE):
         Engine(model, block_size=4, num_blocks=32)
     input_ids, attention_mask = left_padded_batch([5, 9], seed=5)
