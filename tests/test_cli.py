@@ -240,7 +240,8 @@ def test_import_hf_paged_is_light_and_still_registers_the_attention():
             from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
             import torch
             model = AutoModelForCausalLM.from_config({TINY_LLAMA}, attn_implementation="hf_paged")
-            out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+            out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, min_new_tokens=2, do_sample=False,
+                                 pad_token_id=0)  # random weights: an EOS must not end it early
             from hf_paged import Engine, PagedCache
             print(light, "hf_paged" in ALL_ATTENTION_FUNCTIONS, hf_paged.integrations.is_installed(),
                   tuple(out.shape), Engine.__name__, "Engine" in dir(hf_paged))
