@@ -29,9 +29,20 @@ bytes at the copy bandwidth, measured in the same run as (read + write) bytes / 
 floor time; "% copy bw" = achieved GB/s / copy bandwidth. Prefill is compute-bound, so its rows also
 give GFLOP/s (4 * L^2 / 2 * Hq * D for the causal half).
 
-    python benchmarks/attention.py [--rounds 3] [--reps 5] [--threads N] [--quick] [--json PATH]
+K/V dtypes (after each decode shape's table, `--kv-dtypes`): the same shuffled pool stored as fp32,
+bf16, fp16 (a model of that dtype: queries and K/V in it), int8 and fp8_e4m3 (fp8_e5m2 on request;
+quantised with dynamic per-token scales, fp32 queries), each read by the native kernel (`kernel`) and
+by the torch path, which gathers and dequantises into a workspace (`torch`: what these dtypes ran on
+before the kernel read them). Bytes = payload + scales, read once; "x fp32" = the kernel's time over
+the fp32 kernel's in the same run, "torch/kernel" = the torch path's time over the kernel's for that
+dtype; "max |diff|" is the kernel against the torch path on the same tensors (bf16/fp16: their rounding).
 
-The line `VERDICT decode 64x4096` compares `cpu` with the issue's target: >= 50% of copy bandwidth.
+    python benchmarks/attention.py [--rounds 3] [--reps 5] [--threads N] [--quick] [--json PATH]
+                                   [--kv-dtypes float32,bfloat16,float16,int8,fp8_e4m3] [--dtypes-only]
+                                   [--shapes decode-64x4096,...]
+
+The line `VERDICT decode 64x4096` compares `cpu` with the issue's target: >= 50% of copy bandwidth;
+`VERDICT int8 decode 64x4096` the int8 kernel's time with <= 0.5x the fp32 kernel's.
 """
 
 from __future__ import annotations
@@ -45,11 +56,14 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from hf_paged.attention import cpu_kernel, flex_paged, torch_paged
+from hf_paged.attention import cpu_kernel, flex_paged, kv_quant, torch_paged
+from hf_paged.config import kv_cache_dtype
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 SCALE = D ** -0.5
 TARGET_DECODE_COPY_BW = 0.50  # decode at 64 x 4k, of the copy bandwidth
+TARGET_INT8_VS_FP32 = 0.50  # the int8 kernel's time over the fp32 kernel's, decode at 64 x 4k
+KV_DTYPES = "float32,bfloat16,float16,int8,fp8_e4m3"
 
 
 def copy_bandwidth() -> float:
@@ -147,6 +161,76 @@ class Case:
         return (out.view(self.num_seqs, self.q_len, HQ, D) - ref).abs().max().item()
 
 
+class DtypePool:
+    """`case`'s shuffled pool stored as `name`: a bf16 / fp16 model's own cache (queries of its dtype),
+    or a quantised cache with dynamic per-token scales under fp32 queries."""
+
+    def __init__(self, case: Case, name: str):
+        spec = kv_cache_dtype(name)
+        self.name, self.case, self.scales = name, case, None
+        if spec.is_quantized:
+            quant = kv_quant.KVQuant.of(spec, "dynamic")
+            (self.k, key_scales), (self.v, value_scales) = (self._quantize(c, quant) for c in (case.k, case.v))
+            self.scales = kv_quant.KVScales(key_scales, value_scales, quant)
+            self.query = case.query
+        else:
+            dtype = getattr(torch, spec.storage)
+            self.k, self.v, self.query = case.k.to(dtype), case.v.to(dtype), case.query.to(dtype)
+        scale_bytes = 0 if self.scales is None else 2 * self.scales.key[:1, :1].numel() * 4
+        self.kv_bytes = case.num_seqs * case.ctx * (HKV * 2 * D * self.k.element_size() + scale_bytes)
+
+    @staticmethod
+    def _quantize(cache: torch.Tensor, quant) -> tuple[torch.Tensor, torch.Tensor]:
+        payload, scales = kv_quant.quantize(cache.view(-1, HKV, D), quant)
+        return payload.view(cache.shape), scales.view(*cache.shape[:2], *scales.shape[1:])
+
+    def paged(self, native: bool):
+        """One layer's call on the kernel (`native`) or the torch path, its plan (and workspace) its own."""
+        case = self.case
+        plan = torch_paged.AttentionPlan(case.tables, case.seq_lens, case.cu, case.q_len, case.ctx, BLOCK,
+                                         workspace=torch_paged.Workspace(), native=native)
+
+        def run():
+            return torch_paged.paged_attention(self.query, self.k, self.v, case.tables, case.seq_lens, case.cu,
+                                               case.q_len, case.ctx, SCALE, plan=plan, scales=self.scales)
+        return run
+
+
+def dtype_rows(case: Case, names: list[str], args, bw: float) -> list[dict]:
+    """The K/V dtype table of one decode shape: each dtype's kernel and torch path, alternated."""
+    pools = {name: DtypePool(case, name) for name in names}
+    methods = {}
+    for name, pool in pools.items():
+        methods[f"kernel {name}"] = pool.paged(True)
+        methods[f"torch {name}"] = pool.paged(False)
+    errors = {name: (methods[f"kernel {name}"]().float() - methods[f"torch {name}"]().float()).abs().max().item()
+              for name in names}
+    times = {name: [] for name in methods}
+    for r in range(args.rounds):
+        for name in (list(methods) if r % 2 == 0 else list(reversed(methods))):
+            times[name].append(timed(methods[name], args.reps))
+    ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    base = ms.get("kernel float32")
+    print(f"  K/V dtypes ({case.num_seqs} x {case.ctx}):")
+    print(f"  {'kv dtype':9s} {'query':9s} {'K/V MB':>7s} {'kernel ms':>9s} {'x fp32':>7s} {'GB/s':>7s} "
+          f"{'% copy bw':>9s} {'torch ms':>9s} {'GB/s':>7s} {'torch/kernel':>12s} {'max |diff|':>10s}")
+    rows = []
+    for name, pool in pools.items():
+        kernel, gather = ms[f"kernel {name}"], ms[f"torch {name}"]
+        row = dict(kind="decode-dtype", num_seqs=case.num_seqs, ctx=case.ctx, kv_dtype=name,
+                   query_dtype=str(pool.query.dtype).removeprefix("torch."), kv_mb=pool.kv_bytes / 1e6,
+                   kernel_ms=kernel, vs_fp32_kernel=None if base is None else kernel / base,
+                   kernel_gbps=pool.kv_bytes / kernel / 1e6, copy_fraction=pool.kv_bytes / (kernel / 1e3) / bw,
+                   torch_ms=gather, torch_gbps=pool.kv_bytes / gather / 1e6, torch_vs_kernel=gather / kernel,
+                   max_abs_diff=errors[name])
+        rows.append(row)
+        ratio = "" if base is None else f"{row['vs_fp32_kernel']:.2f}"
+        print(f"  {name:9s} {row['query_dtype']:9s} {row['kv_mb']:7.1f} {kernel:9.3f} {ratio:>7s} "
+              f"{row['kernel_gbps']:7.1f} {row['copy_fraction']:9.0%} {gather:9.3f} {row['torch_gbps']:7.1f} "
+              f"{row['torch_vs_kernel']:12.2f} {row['max_abs_diff']:10.1e}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -155,7 +239,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="the small shapes only (a smoke run)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--no-flex", action="store_true", help="skip the flex backend (its compiles take seconds)")
+    parser.add_argument("--kv-dtypes", default=KV_DTYPES,
+                        help=f"K/V dtypes of each decode shape's dtype table (default {KV_DTYPES}; '' for none)")
+    parser.add_argument("--dtypes-only", action="store_true", help="the decode shapes' K/V dtype tables only")
+    parser.add_argument("--shapes", default=None,
+                        help="only these shapes, e.g. decode-64x4096,prefill-1x512 (default: all)")
     args = parser.parse_args()
+    kv_dtypes = [name for name in args.kv_dtypes.split(",") if name]
+    for name in kv_dtypes:
+        kv_cache_dtype(name)  # a ValueError naming the vocabulary
     if args.threads:
         torch.set_num_threads(args.threads)
     native = cpu_kernel.load() is not None
@@ -165,9 +257,19 @@ def main() -> int:
     shapes += [("prefill", 1, ctx, ctx) for ctx in (512, 4096)]
     if args.quick:
         shapes = [sh for sh in shapes if sh[2] == 512 and sh[1] <= 16]
+    if args.dtypes_only:
+        shapes = [sh for sh in shapes if sh[0] == "decode"]
+    if args.shapes:
+        wanted = set(args.shapes.split(","))
+        shapes = [sh for sh in shapes if f"{sh[0]}-{sh[1]}x{sh[2]}" in wanted]
     rows = []
     for kind, num_seqs, ctx, q_len in shapes:
         case = Case(num_seqs, ctx, q_len, seed=num_seqs * 7 + ctx)
+        if args.dtypes_only:
+            bw = statistics.median(copy_bandwidth() for _ in range(3))
+            print(f"\n{kind} {num_seqs} x {ctx} (q_len {q_len}): copy bandwidth {bw / 1e9:.1f} GB/s")
+            rows += dtype_rows(case, kv_dtypes, args, bw) if native else []
+            continue
         methods = {"torch": case.paged(False, False), "torch_contig": case.paged(False, True),
                    "stock_sdpa": case.stock()}
         if native:
@@ -208,17 +310,28 @@ def main() -> int:
             print(f"  {name:13s} {row['ms']:9.3f} {row['gbps']:7.1f} {row['x_floor']:8.2f} "
                   f"{row['copy_fraction']:9.0%} {row['gflops']:8.1f} {row['vs_stock']:10.2f} "
                   f"{row['max_abs_diff']:10.1e}")
+        if native and kind == "decode" and kv_dtypes:
+            rows += dtype_rows(case, kv_dtypes, args, bw)
     verdict = None
-    target = [r for r in rows if r["method"] == "cpu" and r["kind"] == "decode" and r["num_seqs"] == 64
+    target = [r for r in rows if r.get("method") == "cpu" and r["kind"] == "decode" and r["num_seqs"] == 64
               and r["ctx"] == 4096]
     if target:
         frac = target[0]["copy_fraction"]
         verdict = frac >= TARGET_DECODE_COPY_BW
         print(f"\nVERDICT decode 64x4096: cpu at {frac:.0%} of copy bandwidth (target >= "
               f"{TARGET_DECODE_COPY_BW:.0%}): {'PASS' if verdict else 'FAIL'}")
+    int8 = [r for r in rows if r["kind"] == "decode-dtype" and r["kv_dtype"] == "int8" and r["num_seqs"] == 64
+            and r["ctx"] == 4096 and r["vs_fp32_kernel"] is not None]
+    int8_verdict = None
+    if int8:
+        ratio = int8[0]["vs_fp32_kernel"]
+        int8_verdict = ratio <= TARGET_INT8_VS_FP32
+        print(f"VERDICT int8 decode 64x4096: the int8 kernel at {ratio:.2f}x the fp32 kernel's time (target <= "
+              f"{TARGET_INT8_VS_FP32:.2f}x): {'PASS' if int8_verdict else 'FAIL'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "verdict_decode_64x4096": verdict}, f, indent=1)
+            json.dump({"rows": rows, "verdict_decode_64x4096": verdict, "verdict_int8_64x4096": int8_verdict}, f,
+                      indent=1)
     return 0
 
 

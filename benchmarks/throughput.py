@@ -44,6 +44,15 @@ writes every figure and verdict.
 (default float32,int8,fp8), each with `max_kv_bytes` = that budget, and it prints output tokens/s,
 preemptions and peak KV blocks per dtype, with each dtype's throughput against float32's.
 
+`--kv-budget 0` runs the same per-dtype comparison with no budget (the engine sizes its own pool): the
+compute view of quantised K/V (issue 57: int8 >= 1.1x float32's tokens/s at 24 requests x 1.2k-token
+prompts, `--num-requests 24 --min-prompt 1200 --max-prompt 1200 --min-output 48 --max-output 48`).
+
+`--dtypes float32,bfloat16` runs everything once per model dtype in this one process, then compares
+them: hf_paged in each dtype against stock static batches of 8 in that dtype (issue 57: >= 4x) and
+against hf_paged in float32 (>= 1.6x for bfloat16 on a CPU with AVX512-BF16 or AMX; the CPU's flags
+are printed beside it).
+
 `--ceiling` bounds what a faster decode-attention kernel could buy: it runs hf_paged once more with
 attention replaced by zeros (same schedule, same GEMMs; outputs discarded), adds the time to read
 every decode step's K/V once at the machine's measured copy bandwidth, and prints the MFU that
@@ -78,6 +87,9 @@ MODES = ("greedy", "sampling")
 SAMPLING = dict(temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1)
 TARGET_SAMPLING_VS_GREEDY = 0.95
 TARGET_SAMPLER_SHARE = 0.03
+TARGET_VS_STATIC_BF16 = 4.0  # issue 57: hf_paged in bfloat16 against stock static batches of 8 in bfloat16
+TARGET_BF16_VS_FP32 = 1.6  # issue 57: the bfloat16 engine over the float32 engine (CPUs with AVX512-BF16 / AMX)
+TARGET_INT8_KV = 1.1  # issue 57: int8 K/V over float32 K/V, 24 requests x 1.2k-token prompts (no budget)
 TARGET_VS_STATIC = 2.0
 TARGET_VS_GENERATE_BATCH = 3.0
 TARGET_MFU = 0.55  # issue 13 (was 0.35)
@@ -447,9 +459,10 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool, name: str
 
 def kv_budget_runs(model, requests: list[Request], args) -> None:
     """hf_paged once per KV dtype under one `max_kv_bytes` budget (memory binds: preemptions)."""
-    budget = int(args.kv_budget * 2**20)
+    budget = int(args.kv_budget * 2**20) or None  # 0: no budget, the engine sizes its own pool
     useful = sum(r.n for r in requests)
-    print(f"\n== KV budget {args.kv_budget:g} MiB ({budget:,} bytes), hf_paged greedy, one run per KV dtype", flush=True)
+    print(f"\n== KV budget {f'{args.kv_budget:g} MiB ({budget:,} bytes)' if budget else 'none (the engine sizes its pool)'}"
+          ", hf_paged greedy, one run per KV dtype", flush=True)
     results = {}
     for name in [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]:
         torch.manual_seed(0)
@@ -465,9 +478,49 @@ def kv_budget_runs(model, requests: list[Request], args) -> None:
     if base is not None:
         for name, res in results.items():
             same = sum(a == b for a, b in zip(res.outputs, base.outputs))
-            print(f"  SUMMARY {name}: {base.wall / res.wall:.2f}x float32's throughput, "
+            print(f"  SUMMARY {name}: {base.wall / res.wall:.2f}x float32's throughput"
+                  f"{f' ({verdict_text(base.wall / res.wall, TARGET_INT8_KV)})' if name == 'int8' else ''}, "
                   f"{res.profile['preemptions']} preemptions (float32 {base.profile['preemptions']}); "
                   f"greedy outputs identical to float32's: {same}/{len(requests)} (informational)")
+
+
+def dtype_summary(by_dtype: dict, modes: list[str]) -> None:
+    """The model dtypes against each other and against stock in each: hf_paged's tokens/s in every dtype over
+    float32's (issue 57: bfloat16 >= 1.6x on a CPU with AVX512-BF16), and over stock static batches of 8 in the
+    same dtype (>= 4x)."""
+    flags = cpu_flags()
+    has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags
+    print(f"\n== model dtypes compared (CPU flags: {' '.join(sorted(flags)) or 'unknown'})")
+    base = by_dtype.get("float32", {})
+    for name, tps in by_dtype.items():
+        for mode in modes:
+            ours = tps.get((mode, "hf_paged"))
+            if ours is None:
+                continue
+            parts = []
+            static = tps.get((mode, "static_bs8"))
+            if static:
+                parts.append(f"vs stock static bs8 in {name} {verdict_text(ours / static, TARGET_VS_STATIC_BF16)}")
+            if name != "float32" and base.get((mode, "hf_paged")):
+                ratio = ours / base[(mode, "hf_paged")]
+                parts.append(f"vs hf_paged float32 {verdict_text(ratio, TARGET_BF16_VS_FP32)}" if has_bf16 else
+                             f"vs hf_paged float32 {ratio:.2f}x (target {TARGET_BF16_VS_FP32}x applies on a CPU with "
+                             "AVX512-BF16 or AMX; this one has neither)")
+            print(f"SUMMARY ({mode}) hf_paged {name}: {ours:.1f} out tok/s" + (", " + ", ".join(parts) if parts else ""))
+
+
+def verdict_text(value: float, target: float) -> str:
+    return f"{value:.2f}x ({'PASS' if value >= target else 'MISS'} >= {target}x)"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's vector-extension flags (from /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return {f for f in line.split(":", 1)[-1].split() if f.startswith(("avx512", "amx", "avx2", "fma", "f16c"))}
 
 
 def attention_ceiling(model, requests: list[Request], args, flops: float, peak: float) -> None:
@@ -535,7 +588,7 @@ def main():
                         help="call model.generate_batch itself (one max_new_tokens = max n for all requests)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list from {','.join(MODES)}")
     parser.add_argument("--verbose", action="store_true", help="keep transformers' warnings")
-    parser.add_argument("--kv-budget", type=float, default=None, metavar="MiB",
+    parser.add_argument("--kv-budget", type=float, default=None, metavar="MiB",  # 0: the engine's own pool
                         help="run only hf_paged, once per --kv-dtypes, with this max_kv_bytes (see above)")
     parser.add_argument("--kv-dtypes", default="float32,int8,fp8", help="KV dtypes for --kv-budget")
     parser.add_argument("--ceiling", action="store_true",
@@ -546,7 +599,11 @@ def main():
     parser.add_argument("--model", default="default",
                         help="'default' (SmolLM2-135M-Instruct) or 'random-smollm2' (its shapes, random weights)")
     parser.add_argument("--static-bs", default="8,32", help="comma list of stock static batch sizes")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures and verdicts here")
+    parser.add_argument("--dtypes", default=None, metavar="LIST",
+                        help="comma list of model dtypes, each run in turn in this process, then compared "
+                             "(e.g. float32,bfloat16; overrides --dtype)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures and verdicts here "
+                        "(with --dtypes, one file per dtype: PATH with the dtype before its suffix)")
     args = parser.parse_args()
     try:
         args.static_bs = [int(b) for b in args.static_bs.split(",") if b.strip()]
@@ -562,8 +619,6 @@ def main():
         parser.error("--ceiling and --kv-budget are CPU views; run them without --device cuda")
     if args.model not in ("default", "random-smollm2"):
         parser.error("--model takes 'default' or 'random-smollm2'")
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
-        torch.bfloat16 if args.device == "cuda" else torch.float32)
     methods = method_names(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
@@ -581,6 +636,25 @@ def main():
         transformers.logging.set_verbosity_error()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
 
+    dtypes = [args.dtype] if args.dtypes is None else [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not dtypes or set(dtypes) - {"auto", "float32", "bfloat16", "float16"}:
+        parser.error("--dtypes takes a comma list from auto, float32, bfloat16, float16")
+    by_dtype, json_path = {}, args.json
+    for name in dtypes:
+        dtype = getattr(torch, name) if name != "auto" else (torch.bfloat16 if args.device == "cuda" else torch.float32)
+        if len(dtypes) > 1:
+            print(f"\n======== model dtype {dtype} ========", flush=True)
+            if json_path:
+                root, ext = os.path.splitext(json_path)
+                args.json = f"{root}.{str(dtype).split('.')[-1]}{ext}"
+        by_dtype[str(dtype).split(".")[-1]] = run_for_dtype(args, dtype, methods, modes, skip)
+        gc.collect()
+    if len(by_dtype) > 1:
+        dtype_summary(by_dtype, modes)
+
+
+def run_for_dtype(args, dtype: torch.dtype, methods: list[str], modes: list[str], skip: set[str]) -> dict:
+    """Every method and mode on the model loaded in `dtype`; returns {(mode, method): output tokens/s}."""
     if args.model == "random-smollm2":
         model, tokenizer = random_smollm2(dtype, args.device), None
         pad_id = 0
@@ -613,7 +687,7 @@ def main():
 
     if args.kv_budget is not None:
         kv_budget_runs(model, requests, args)
-        return
+        return {}
 
     results: dict[tuple[str, str], Result] = {}
     runners = {f"static_bs{b}": (lambda s, b=b: run_static(model, requests, b, pad_id, s)) for b in args.static_bs}
@@ -754,6 +828,7 @@ def main():
         print(f"SUMMARY (sampling) hf_paged sampling / its greedy throughput "
               f"{verdict(tps[('sampling', 'hf_paged')] / greedy if greedy else None, TARGET_SAMPLING_VS_GREEDY)}, "
               f"sampler share of step time at {args.max_num_seqs} running {share_s}")
+    return tps
 
 
 if __name__ == "__main__":

@@ -329,6 +329,10 @@ def _torch_refusal(call: LayerCall) -> str | None:
     return None
 
 
+def _cpu_reads_kv(query_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    return kv_dtype in cpu_kernel.FLOAT_KV_DTYPES.get(query_dtype, ()) or kv_dtype in cpu_kernel.QUANTIZED_KV_DTYPES
+
+
 def _cpu_refusal(call: LayerCall) -> str | None:
     num_kv_heads = call.key_cache.shape[2]
     if not num_kv_heads or call.query.shape[1] % num_kv_heads:
@@ -341,10 +345,15 @@ _BUILT_IN = (
         devices=frozenset({"cuda", "cpu"}),  # the CPU under Triton's interpreter only (`unavailable`)
         reads_kv=can_read_kv_dtype, quant_schemes=frozenset({"dynamic", "dynamic_token", "unit"}),
         max_head_dim=256, differentiable=None, latent_kv=True), auto_devices=frozenset({"cuda"}), extra_refusal=_triton_refusal),
+    # The kernel reads fp32/bf16/fp16 queries over their own dtype's K/V (fp32 also over 16-bit K/V) and every
+    # quantised scheme in registers; a call it does not take runs on the torch path inside the same plan
+    # (`cpu_kernel.can_run`), strided byte pages included.
     CpuBackend("cpu", Capabilities(
-        devices=frozenset({"cpu"}), query_dtypes=frozenset({torch.float32}), max_head_dim=cpu_kernel.MAX_HEAD_DIM,
-        head_dim_multiple=cpu_kernel.LANES, max_block_size=cpu_kernel.MAX_BLOCK_SIZE, strided_caches=False,
-        differentiable=False, latent_kv=True), auto_devices=frozenset({"cpu"}), extra_refusal=_cpu_refusal),
+        devices=frozenset({"cpu"}), query_dtypes=frozenset(cpu_kernel.QUERY_DTYPES), reads_kv=_cpu_reads_kv,
+        quant_schemes=frozenset({"dynamic", "dynamic_token", "unit", "asymmetric"}),
+        max_head_dim=cpu_kernel.MAX_HEAD_DIM, head_dim_multiple=cpu_kernel.LANES,
+        max_block_size=cpu_kernel.MAX_BLOCK_SIZE, differentiable=False, latent_kv=True),
+        auto_devices=frozenset({"cpu"}), extra_refusal=_cpu_refusal),
     TorchBackend("torch", Capabilities(
         devices=None, query_dtypes=None, reads_kv=_any_float, mixed_kv_dtypes=True,
         quant_schemes=frozenset({"dynamic", "dynamic_token", "unit", "asymmetric"}), key_limits=True),

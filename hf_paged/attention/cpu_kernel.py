@@ -1,7 +1,10 @@
 """The native CPU kernel of paged attention for short query runs: its build, its shape rules, its call.
 
-`csrc/paged_attention.c` reads fp32 K/V in place through the block table (no gather into a
-workspace, no copy): decode and speculative-verify sequences of a step, all in one call. It is
+`csrc/paged_attention.c` reads K/V in place through the block table (no gather into a workspace, no
+copy): decode and speculative-verify sequences of a step, all in one call. Queries fp32, bf16 or
+fp16 (the output in the query's dtype, as the torch path returns it); K/V the query's dtype, bf16 or
+fp16 under fp32 queries, or an int8 / fp8 (e4m3fn, e5m2) payload with its per-token scales
+(`kv_quant.KVScales`, any scheme), dequantised in registers; all arithmetic in fp32. It is
 compiled on first use with the host's C compiler (`$CC`, else `cc`, else `gcc`; a `$CC` that is not
 found is an error, never silently replaced), `-O3 -march=native -fopenmp`, into
 `$HF_PAGED_KERNEL_CACHE` (default `~/.cache/hf_paged/kernels`), under a name that hashes the source,
@@ -26,6 +29,11 @@ load), and its name is computable by anyone, so:
 Whenever there is no kernel (no compiler, a failed build, a refused cache, a rebuild that still
 does not load), `load()` says why once (a warning; `load_error()` keeps it) and returns None: the
 step then runs on the torch path (`torch_paged`), which is slower and the same up to float rounding.
+
+One library per K/V dtype (`-DHF_PAGED_KV=<code>`): `load()` builds the fp32 one; the first call over
+another dtype's cache builds that dtype's (`load_kv`, a few seconds, cached like the first), so a
+machine compiles only what it reads. One that cannot be had is said once, and that dtype's calls take
+the torch path.
 
 Owns the build and the ctypes signatures; `torch_paged.AttentionPlan` decides which sequences go
 here (`supports`) and checks the step's metadata, `torch_paged.paged_attention` checks each call's
@@ -56,12 +64,22 @@ from ..config import MAX_DECODE_QUERY_LEN
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
-SYMBOL = "hf_paged_attention_f32"
+SYMBOL = "hf_paged_attention_f32"  # fp32 queries and contiguous fp32 K/V
+TYPED_SYMBOL = "hf_paged_attention"  # any dtype the kernel reads (`DTYPE_CODES`), any block stride
 LATENT_SYMBOL = "hf_paged_latent_attention_f32"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC")
 MAX_HEAD_DIM = 256  # the kernel's limits (csrc: MAXC * W, MAXBS)
 MAX_BLOCK_SIZE = 64
 LANES = 16
+# The kernel's element types (csrc: DT_*). Queries and outputs: the first three.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3, torch.float8_e4m3fn: 4,
+               torch.float8_e5m2: 5}
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Unquantised K/V it reads under each query dtype: the query's own, or 16 bits under fp32 queries (what the
+# torch path widens exactly; a narrower query would round the K/V there, and it rounds nothing here).
+FLOAT_KV_DTYPES = {torch.float32: (torch.float32, torch.bfloat16, torch.float16), torch.bfloat16: (torch.bfloat16,),
+                   torch.float16: (torch.float16,)}
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 # Work items (sequence x key split) per thread to aim for; a split keeps at least this many blocks.
 ITEMS_PER_THREAD = 4
 MIN_BLOCKS_PER_SPLIT = 4
@@ -72,11 +90,13 @@ PARALLEL_MIN_BYTES = 1 << 20
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_P, _I64, _I64, _P, _P, _P, _I64, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32, _F32,
              _P, _I32, _I32, _P, _P, _P, _I32]
+_TYPED_ARGTYPES = [_P, _I64, _I64, _I32, _P, _P, _I64, _I64, _I32, _P, _P, _I64, _I32, _I32, _I32, _P, _I64, _P, _P,
+                   _I32, _I32, _I32, _I32, _I32, _I32, _F32, _I32, _I32, _F32, _P, _I32, _I32, _P, _P, _P, _I32, _I32]
 _LATENT_ARGTYPES = [_P, _I64, _I64, _I32, _P, _I64, _I64, _I32, _P, _I64, _I32, _P, _P, _I32, _I32, _I32, _I32, _I32,
                     _F32, _I32, _I32, _I32, _P, _P, _P, _I32]
 
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}  # "fn", "latent" -> the ctypes functions, or "error" -> why there are none
+_loaded: dict[str, object] = {}  # "fn", "latent", "typed", "kv <dtype>" -> the ctypes functions; "error" -> why none
 
 
 class _Refused(RuntimeError):
@@ -200,7 +220,7 @@ def _compile(cc: list[str], flags: tuple[str, ...], library: Path) -> bytes:
 
 
 def _load(data: bytes, library: Path) -> tuple:
-    """The kernel's functions (attention, latent attention) from `data`, the verified bytes of
+    """The kernel's functions (fp32 attention, latent attention, typed attention) from `data`, the verified bytes of
     `library`; `_Unusable` if they do not load.
 
     dlopen maps whatever a name holds when it opens it, and keeps the mapping: loading `library` by
@@ -219,7 +239,7 @@ def _load(data: bytes, library: Path) -> tuple:
     finally:
         os.unlink(private)
     functions = []
-    for symbol, argtypes in ((SYMBOL, _ARGTYPES), (LATENT_SYMBOL, _LATENT_ARGTYPES)):
+    for symbol, argtypes in ((SYMBOL, _ARGTYPES), (LATENT_SYMBOL, _LATENT_ARGTYPES), (TYPED_SYMBOL, _TYPED_ARGTYPES)):
         fn = getattr(lib, symbol, None)
         if fn is None:
             raise _Unusable(f"{library} has no symbol {symbol}")
@@ -228,16 +248,17 @@ def _load(data: bytes, library: Path) -> tuple:
     return tuple(functions)
 
 
-def _open_kernel() -> tuple:
-    """The kernel's ctypes functions (`_load`): the cached library if it is trusted and verified, else
-    built (once more when the cached one is unusable). Raises when there is none."""
+def _open_kernel(kv_code: int = 0) -> tuple:
+    """The kernel's ctypes functions (`_load`) of the library for K/V dtype `kv_code` (`DTYPE_CODES`):
+    the cached library if it is trusted and verified, else built (once more when the cached one is
+    unusable). Raises when there is none."""
     cc = _compiler()
     folder = _trusted_folder()
     version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout + _machine()
     source = SOURCE.read_bytes()
     errors = []
     for openmp in (("-fopenmp",), ()):  # a compiler without OpenMP still gets a one-thread kernel
-        flags = (*FLAGS, *openmp)
+        flags = (*FLAGS, f"-DHF_PAGED_KV={int(kv_code)}", *openmp)
         digest = hashlib.sha256(source + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
         library = folder / f"paged_attention-{digest}.so"
         if library.exists():
@@ -264,12 +285,32 @@ def load():
     with _lock:
         if "fn" not in _loaded and "error" not in _loaded:
             try:
-                _loaded["fn"], _loaded["latent"] = _open_kernel()
+                _loaded["fn"], _loaded["latent"], _loaded["typed"] = _open_kernel()
             except Exception as err:  # the kernel is an optimisation: no failure of it may stop a forward
                 _loaded["error"] = str(err) or type(err).__name__
                 logger.warning("hf_paged: the CPU attention kernel could not be built or loaded, so attention "
                                "runs on the slower torch path: %s", _loaded["error"])
     return _loaded.get("fn")
+
+
+def load_kv(dtype: torch.dtype):
+    """The typed entry (`TYPED_SYMBOL`) of the library for K/V of `dtype` (a `DTYPE_CODES` key), built
+    on its first call; None where there is none (no fp32 kernel, or this one failed: said once)."""
+    if load() is None:
+        return None
+    if dtype == torch.float32:
+        return _loaded.get("typed")
+    key = f"kv {dtype}"
+    if key not in _loaded:
+        with _lock:
+            if key not in _loaded:
+                try:
+                    _loaded[key] = _open_kernel(DTYPE_CODES[dtype])[2]
+                except Exception as err:  # an optimisation: that dtype's calls take the torch path
+                    _loaded[key] = None
+                    logger.warning("hf_paged: the CPU attention kernel for a %s K/V cache could not be built or "
+                                   "loaded, so it runs on the slower torch path: %s", dtype, err)
+    return _loaded[key]
 
 
 def load_error() -> str | None:
@@ -283,18 +324,51 @@ def supports(num_q_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int
             and all(d % LANES == 0 and 0 < d <= MAX_HEAD_DIM for d in (head_dim, head_dim_v)))
 
 
-def can_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether this call's tensors are ones the kernel reads: fp32 on the CPU, contiguous caches, and
-    nothing autograd would need to differentiate."""
-    if query.device.type != "cpu" or query.dtype != torch.float32:
+def can_run(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scales=None) -> bool:
+    """Whether this call's tensors are ones the kernel reads: CPU tensors, queries fp32 / bf16 / fp16,
+    K/V of one dtype (`FLOAT_KV_DTYPES` of the query's, or quantised with `scales`, a
+    `kv_quant.KVScales` of float32 [num_blocks, block_size, 1 or num_kv_heads, 1 or 2] contiguous
+    tensors), each block's [block_size, num_kv_heads, head_dim] contiguous (any block stride), and
+    nothing autograd would need to differentiate. The rest runs on the torch path."""
+    if query.device.type != "cpu" or query.dtype not in QUERY_DTYPES or value_cache.dtype != key_cache.dtype:
         return False
-    if key_cache.dtype != torch.float32 or value_cache.dtype != torch.float32:
+    if scales is None:
+        if key_cache.dtype not in FLOAT_KV_DTYPES[query.dtype]:
+            return False
+    elif key_cache.dtype not in QUANTIZED_KV_DTYPES or not _scales_fit(scales, key_cache):
         return False
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+    if not (_blocks_contiguous(key_cache) and _blocks_contiguous(value_cache)):
         return False
     if torch.is_grad_enabled() and (query.requires_grad or key_cache.requires_grad or value_cache.requires_grad):
         return False
-    return supports(query.shape[1], key_cache.shape[2], query.shape[2], value_cache.shape[3], key_cache.shape[1])
+    return (supports(query.shape[1], key_cache.shape[2], query.shape[2], value_cache.shape[3], key_cache.shape[1])
+            and _entry(query, key_cache, value_cache, scales) is not None)
+
+
+def _entry(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scales):
+    """The kernel's function for this call: the fp32 one (`SYMBOL`) for fp32 queries over contiguous
+    fp32 K/V, else the typed one of the K/V dtype's library (`load_kv`); None where there is none."""
+    if (scales is None and query.dtype == key_cache.dtype == torch.float32 and key_cache.is_contiguous()
+            and value_cache.is_contiguous()):
+        return load()
+    return load_kv(key_cache.dtype)
+
+
+def _blocks_contiguous(cache: torch.Tensor) -> bool:
+    """Whether `cache` [num_blocks, block_size, Hkv, D] is blocks of contiguous rows, one block stride apart."""
+    if cache.dim() != 4 or cache.device.type != "cpu" or not cache.shape[0] or not cache[0].is_contiguous():
+        return False
+    return cache.shape[0] == 1 or cache.stride(0) >= cache[0].numel()
+
+
+def _scales_fit(scales, key_cache: torch.Tensor) -> bool:
+    """Whether a quantised cache's scales are ones the kernel reads (see `can_run`)."""
+    num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
+    key, value = scales.key, scales.value
+    return (key.dim() == 4 and key.shape == value.shape and key.shape[:2] == (num_blocks, block_size)
+            and key.shape[2] in (1, num_kv_heads) and key.shape[3] in (1, 2)
+            and key.dtype == value.dtype == torch.float32 and key.device.type == value.device.type == "cpu"
+            and key.is_contiguous() and value.is_contiguous())
 
 
 def num_splits(num_seqs: int, max_blocks: int) -> int:
@@ -307,9 +381,9 @@ def num_splits(num_seqs: int, max_blocks: int) -> int:
 
 
 def attend(
-    query: torch.Tensor,  # [T, Hq, D] fp32, last dim contiguous: the short runs' tokens only, packed
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] fp32 contiguous
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv] fp32 contiguous
+    query: torch.Tensor,  # [T, Hq, D] fp32 / bf16 / fp16, last dim contiguous: the short runs' tokens only, packed
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], each block contiguous (`can_run`)
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, Dv], the key cache's dtype
     block_tables: torch.Tensor,  # [S, max_blocks] int32 contiguous, the runs' rows
     seq_lens: torch.Tensor,  # [S] int32
     cu_seqlens_q: torch.Tensor,  # [S + 1] int32, into `query`
@@ -322,11 +396,13 @@ def attend(
     sinks: torch.Tensor | None,  # [Hq]
     scratch,  # callable(name, shape) -> an fp32 buffer (the step's workspace)
     chunk_size: int | None = None,  # Llama 4's local chunk: keys from (pos // C) * C on
-) -> torch.Tensor:  # [T, Hq, Dv] fp32
+    scales=None,  # a quantised cache's `kv_quant.KVScales` (`can_run` has checked them)
+) -> torch.Tensor:  # [T, Hq, Dv] in the query's dtype
     """The short runs' attention, by the native kernel. It reads and writes through every pointer and
     count it is given, unchecked: its caller, `torch_paged.paged_attention`, has checked the step's
-    metadata (`AttentionPlan`), each call's shapes and the block ids against the pool."""
-    fn = load()
+    metadata (`AttentionPlan`), each call's shapes and the block ids against the pool, and that the
+    kernel reads these tensors (`can_run`)."""
+    fn = _entry(query, key_cache, value_cache, scales)
     num_tokens, num_q_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1:3]
     head_dim_v = value_cache.shape[3]
@@ -336,16 +412,30 @@ def attend(
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     out = query.new_empty(num_tokens, num_q_heads, head_dim_v)
-    kv_bytes = kv_tokens * num_kv_heads * (head_dim + head_dim_v) * 4
+    kv_bytes = kv_tokens * num_kv_heads * (head_dim + head_dim_v) * key_cache.element_size()
     threads = torch.get_num_threads() if kv_bytes >= PARALLEL_MIN_BYTES else 1
     part_ml = scratch("cpu_ml", (num_seqs, nsplit, 2, max_rows))
     part_acc = scratch("cpu_acc", (num_seqs, nsplit, max_rows, head_dim_v))
-    status = fn(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
-                block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
+    metadata = (block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), cu_seqlens_q.data_ptr(),
                 num_seqs, num_q_heads, num_kv_heads, head_dim, head_dim_v, block_size, float(scale),
                 int(sliding_window or 0), int(chunk_size or 0), float(softcap or 0.0),
-                None if sinks is None else sinks.data_ptr(),
-                nsplit, max_rows, part_ml.data_ptr(), part_acc.data_ptr(), out.data_ptr(), threads)
+                None if sinks is None else sinks.data_ptr(), nsplit, max_rows, part_ml.data_ptr(), part_acc.data_ptr())
+    if fn is _loaded.get("fn"):
+        status = fn(query.data_ptr(), query.stride(0), query.stride(1), key_cache.data_ptr(), value_cache.data_ptr(),
+                    *metadata, out.data_ptr(), threads)
+    else:
+        if scales is None:
+            scale_args = (None, None, 0, 0, 0, 0)
+        else:  # [num_blocks, block_size, groups, channels] contiguous; one group: every head reads it
+            groups, channels = scales.key.shape[2:]
+            scale_args = (scales.key.data_ptr(), scales.value.data_ptr(), scales.key.stride(0), groups * channels,
+                          channels if groups > 1 else 0, channels)
+        code = DTYPE_CODES[query.dtype]
+        status = fn(
+            query.data_ptr(), query.stride(0), query.stride(1), code, key_cache.data_ptr(), value_cache.data_ptr(),
+            key_cache.stride(0) if key_cache.shape[0] > 1 else key_cache[0].numel(),
+            value_cache.stride(0) if value_cache.shape[0] > 1 else value_cache[0].numel(),
+            DTYPE_CODES[key_cache.dtype], *scale_args, *metadata, out.data_ptr(), code, threads)
     if status != 0:
         raise ValueError(f"hf_paged CPU kernel: shapes it does not take (Hq={num_q_heads}, Hkv={num_kv_heads}, "
                          f"D={head_dim}, Dv={head_dim_v}, block_size={block_size})")

@@ -15,6 +15,13 @@ Two paths, chosen per call:
   eager function where sdpa lacks a feature (softcap, sinks, attention weights), so outputs and
   gradients match stock bit for bit.
 
+A compiled decode step (`worker/cpu_graphs.py`: the model's forward compiled by Inductor) passes
+`COMPILED_STEP` as `paged_metadata` and a cache whose `update` hands the new K/V straight back: each
+layer's attention then becomes one opaque op (`hf_paged::step_attention`) that runs, eagerly, at
+every call of the compiled graph, what an eager step runs for that layer: the cache's `update` (the
+K/V write) and this function's paged path, with the step and cache `compiled_step` names. The
+compiler never sees the step's host values (lengths, block tables), which change every step.
+
 The mask function hands back a `LazyMask` (the dense mask is built only if a layer asks for it) only
 while a paged step is about to run in this thread (`note_paged_step`): the paged path never pays for
 a dense `[batch, 1, q, kv]` mask. Every other caller (a dense forward, code that pre-builds masks
@@ -23,6 +30,7 @@ through `create_masks_for_generate`) gets the tensor transformers' sdpa would ge
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import weakref
@@ -149,6 +157,9 @@ def paged_attention_forward(
     """
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if paged_metadata is COMPILED_STEP:
+        return _compiled_attention(module, query, key, value, dropout, scaling, sliding_window, softcap, s_aux,
+                                   kwargs), None
     indices = kwargs.pop("indices", None)
     if paged_metadata is not None and paged_metadata.mode == PAGED:
         if dropout:
@@ -239,6 +250,72 @@ def paged_attention_forward(
         )
     return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                             s_aux, indices=indices, **kwargs)
+
+
+# ---------------------------------------------------------------------------------- compiled steps
+class CompiledStep:
+    """The `paged_metadata` a compiled decode forward passes (`COMPILED_STEP`, the one instance): the
+    step itself is `compiled_step`'s, read by the attention op at run time."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "COMPILED_STEP"
+
+
+COMPILED_STEP = CompiledStep()
+_compiled = threading.local()  # .handler: what the attention ops of the compiled forward running in this thread call
+
+
+@contextlib.contextmanager
+def compiled_step(handler):
+    """While this block runs, the attention ops of a compiled forward in this thread call
+    `handler(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks)`, which writes the
+    layer's new K/V and returns its attention output as `step_attention` describes (the worker's
+    `cpu_graphs.StepAttention`: the step's cache and metadata, and the eager path through this module)."""
+    previous = getattr(_compiled, "handler", None)
+    _compiled.handler = handler
+    try:
+        yield
+    finally:
+        _compiled.handler = previous
+
+
+@torch.library.custom_op("hf_paged::step_attention", mutates_args=())
+def step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int, scaling: float,
+                   sliding_window: int | None, softcap: float | None,
+                   sinks: torch.Tensor | None) -> torch.Tensor:  # [batch, q_len, num_q_heads, head_dim_v]
+    """One layer of a compiled forward's step: write the new K/V (`key`/`value`, [batch, num_kv_heads,
+    q_len, head_dim]) and attend `query` ([batch, num_q_heads, q_len, head_dim]) over the layer's
+    blocks, as an eager step does (see `compiled_step`). The K/V pool is written behind the compiler's
+    back: nothing else in the graph reads it, and each layer's output feeds the next."""
+    handler = getattr(_compiled, "handler", None)
+    if handler is None:
+        raise RuntimeError("hf_paged: a compiled forward ran outside `compiled_step` (no step to attend with)")
+    return handler(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks)
+
+
+@step_attention.register_fake
+def _(query, key, value, layer_idx, scaling, sliding_window, softcap, sinks):
+    batch, heads, q_len, _ = query.shape
+    return query.new_empty(batch, q_len, heads, value.shape[-1])
+
+
+def _compiled_attention(module, query, key, value, dropout, scaling, sliding_window, softcap, s_aux, kwargs):
+    """The compiled forward's attention call: the op above, for a layer the compiler traces."""
+    layer_idx = getattr(module, "layer_idx", None)
+    extra = sorted(k for k, v in kwargs.items()
+                   if v is not None and v is not False and k not in _IGNORED_COMPILED_KWARGS)
+    if dropout or not isinstance(layer_idx, int) or extra:
+        raise UnsupportedModelError(
+            f"hf_paged: {type(module).__name__}'s attention call cannot be compiled (dropout={dropout}, layer_idx="
+            f"{layer_idx!r}, arguments {extra})")
+    return step_attention(query, key, value, layer_idx, float(scaling), sliding_window,
+                          None if softcap is None else float(softcap), s_aux)
+
+
+# Keyword arguments a decoder hands its attention that the paged path ignores as an eager step does.
+_IGNORED_COMPILED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "position_embeddings"})
 
 
 def _packed_temperature(module, query: torch.Tensor, meta: StepMetadata) -> torch.Tensor:  # [num_tokens, heads, dim]

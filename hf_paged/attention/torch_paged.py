@@ -293,7 +293,7 @@ def paged_attention(
     out = None  # [num_tokens, Hq, Dv], in the dtype attention returns (under autocast, not the query's)
     groups = plan.groups
     runs = plan.short_runs
-    if runs is not None and native and scales is None and cpu_kernel.can_run(query, key_cache, value_cache):
+    if runs is not None and native and cpu_kernel.can_run(query, key_cache, value_cache, scales):
         if runs.block_range[0] < 0 or runs.block_range[1] >= key_cache.shape[0]:
             raise IndexError(f"paged_attention: the block tables name blocks {runs.block_range[0]}.."
                              f"{runs.block_range[1]}, outside the pool of {key_cache.shape[0]} blocks")
@@ -301,7 +301,7 @@ def paged_attention(
                               runs.block_tables, runs.seq_lens, runs.cu_seqlens_q, runs.max_q_len * num_q_heads,
                               runs.num_splits, runs.kv_tokens, scale, sliding_window, softcap, sinks,
                               lambda name, shape: plan.scratch(name, shape, query.device),
-                              chunk_size)  # [T_short, Hq, Dv]
+                              chunk_size, scales)  # [T_short, Hq, Dv]
         if runs.is_whole:  # every query is a short run's: nothing else to attend
             return o
         out = o.new_zeros(num_tokens, num_q_heads, o.shape[-1])

@@ -40,6 +40,7 @@ from ..hf.rope import default_max_model_len
 from ..sampling_params import SamplingParams
 from ..spec_decode import make_proposer
 from ..worker import ModelRunner
+from ..worker.cpu_graphs import check_cpu_graphs
 from ..worker.cuda_graphs import batch_size_buckets, check_cuda_graphs, max_seqlen_buckets
 from .core import MAX_STEP_FAILURES, EngineCore, RequestError
 from .delivery import Inbox, RequestHandle
@@ -93,7 +94,9 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         eos_token_ids: end-of-sequence ids; default the model's generation config's (its config's, the tokenizer's).
         cuda_graphs: replay decode steps from CUDA graphs per (batch, max_seqlen_k) bucket (`worker/cuda_graphs.py`);
             None (default): on for a CUDA model with the Triton backend; True where they cannot run: ValueError.
-        cuda_graph_batch_sizes, cuda_graph_max_seqlens: the buckets (default 1, 2, 4, ... `max_num_seqs`;
+        cpu_graphs: on CPU, run decode steps compiled by Inductor per batch bucket (`worker/cpu_graphs.py`); None
+            (default): `config.EngineConfig.cpu_graphs`; True compiles when a step first needs it.
+        cuda_graph_batch_sizes, cuda_graph_max_seqlens: the buckets of either (default 1, 2, 4, ... `max_num_seqs`;
             256, 512, ... the longest sequence the pool allows); a step past the largest runs eagerly.
         state_checkpoint_interval, max_state_checkpoints: a model with recurrent layers (`hf.state`): tokens
             between the state checkpoints its prefix cache keeps (default `block_size`), and how many at most.
@@ -131,6 +134,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         prompt_lookup_max: int = EngineConfig.prompt_lookup_max,
         eos_token_ids: int | SequenceABC[int] | None = None,
         cuda_graphs: bool | None = EngineConfig.cuda_graphs,
+        cpu_graphs: bool | None = EngineConfig.cpu_graphs,
         cuda_graph_batch_sizes: SequenceABC[int] | None = EngineConfig.cuda_graph_batch_sizes,
         cuda_graph_max_seqlens: SequenceABC[int] | None = EngineConfig.cuda_graph_max_seqlens,
         grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
@@ -162,7 +166,6 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         # A tensor-parallel model: rank 0 runs the engine, the other ranks follow (`tensor_parallel.py`).
         self.tensor_parallel = tp = tensor_parallel_group(model)
         probe = check_tensor_parallel(tp, probe, draft_model, speculative_method)
-        cuda_graphs = cuda_graphs and tp is None
         states = _state_plan(state_checkpoint_interval, max_state_checkpoints, block_size, max_num_seqs,
                              enable_prefix_caching)
         num_blocks = num_blocks or default_num_blocks(model, probe, max_num_seqs, model_len, self.device, states[0])
@@ -177,10 +180,9 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
                          else as_token_id_list(eos_token_ids))
         runner = ModelRunner(model, kv)
         longest = min(model_len, kv.num_blocks * kv.block_size)
-        graph_buckets = (batch_size_buckets(max_num_seqs, cuda_graph_batch_sizes),
-                         max_seqlen_buckets(longest, cuda_graph_max_seqlens))
-        if check_cuda_graphs(cuda_graphs, model, self.device, attention_backend):
-            runner.enable_cuda_graphs(*graph_buckets)
+        _enable_decode_graphs(runner, cuda_graphs and tp is None, cpu_graphs if tp is None else False, attention_backend,
+                              (batch_size_buckets(max_num_seqs, cuda_graph_batch_sizes),
+                               max_seqlen_buckets(longest, cuda_graph_max_seqlens)))
         proposer, num_speculative_tokens = make_proposer(
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
             lookup_min=prompt_lookup_min, lookup_max=prompt_lookup_max, target_num_blocks=kv.num_blocks,
@@ -565,6 +567,15 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
     def reset_metrics(self) -> None:
         with self._lock:
             self._metrics.reset()
+
+
+def _enable_decode_graphs(runner: ModelRunner, cuda_graphs: bool | None, cpu_graphs: bool | None,
+                          attention_backend: str | None, buckets: tuple) -> None:
+    """Give the runner CUDA graphs or compiled CPU steps for decode steps, as the Engine's arguments ask."""
+    if check_cuda_graphs(cuda_graphs, runner.model, runner.device, attention_backend):
+        runner.enable_cuda_graphs(*buckets)
+    elif (compile_after := check_cpu_graphs(cpu_graphs, runner.model, runner.device)) is not None:
+        runner.enable_cpu_graphs(*buckets, after_steps=compile_after)
 
 
 def _state_plan(interval: int | None, checkpoints: int | None, block_size: int, max_num_seqs: int,

@@ -15,6 +15,12 @@ its inference forwards, and is exactly `F.linear` everywhere else: stock forward
 threads. `disable(model)` removes it. Results differ from MKL's in the last bits only (a different
 summation order, within fp32 tolerance), as every kernel choice does.
 
+Only plain float32 weights take it. A weight-only quantised linear (transformers' `TorchAoConfig`
+quantizer keeps the `nn.Linear` and swaps its weight for a torchao tensor subclass, e.g. `Int8Tensor`,
+that reports the float32 it computes in) has no oneDNN kernel: `enable` leaves such modules alone, and
+`_forward` checks again on every call (a model quantised after `enable`), so the subclass's own
+`F.linear` runs, exactly as under stock transformers.
+
 `HF_PAGED_FAST_LINEAR=0` turns it off (the benchmark's ablation).
 """
 
@@ -31,6 +37,9 @@ import torch.nn.functional as F
 _local = threading.local()
 _kernel = None  # torch.ops.mkldnn._linear_pointwise once probed; False when unusable
 _ATTR = "_hf_paged_fast_linear"
+# `type(t) in _PLAIN`: a plain tensor or parameter. `nn.Parameter(subclass)` keeps the subclass's type
+# (torchao's quantised weights, DTensor), so this one look-up is exact and cheaper than `type(t.data)`.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _probe():
@@ -64,25 +73,34 @@ def linear_kernel():
     return lambda input, weight, bias=None: _kernel(input, weight, bias, "none", [], "")
 
 
+def _is_plain(weight, bias) -> bool:
+    """Whether oneDNN can read these parameters: plain tensors, not subclasses (see the module docstring)."""
+    return type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN)
+
+
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    if (getattr(_local, "active", False) and input.dtype == torch.float32 and self.weight.dtype == torch.float32
+    weight, bias = self.weight, self.bias  # each a module `__getattr__`: read once
+    if (getattr(_local, "active", False) and input.dtype == torch.float32 and weight.dtype == torch.float32
+            and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN) and type(input) is torch.Tensor
             and input.device.type == "cpu" and not torch.is_grad_enabled()
             # One row on one thread: both kernels stream the weights at one core's bandwidth and MKL's
             # was measured 4% faster (`benchmarks/latency.py --kernels --threads 1`).
             and (input.numel() != input.shape[-1] or torch.get_num_threads() > 1)):
-        return _kernel(input, self.weight, self.bias, "none", [], "")
-    return F.linear(input, self.weight, self.bias)
+        return _kernel(input, weight, bias, "none", [], "")
+    return F.linear(input, weight, bias)
 
 
 def enable(model: torch.nn.Module) -> int:
     """Give the model's plain `nn.Linear` modules the faster forward (idempotent). Modules that
-    already carry an instance `forward` (another library's hook) and subclasses (quantised or LoRA
-    layers) are left alone. Returns how many modules have it."""
+    already carry an instance `forward` (another library's hook), subclasses (quantised or LoRA layers)
+    and linears whose weight is a tensor subclass (torchao's weight-only quantisation) are left alone.
+    Returns how many modules have it."""
     if not is_available():
         return 0
     count = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
+        if (type(module) is torch.nn.Linear and "forward" not in module.__dict__
+                and _is_plain(module.weight, module.bias)):
             module.forward = types.MethodType(_forward, module)
             setattr(module, _ATTR, True)
         count += bool(getattr(module, _ATTR, False))

@@ -41,7 +41,10 @@ Graphs are dropped and recaptured when the memory they read moved: the KV pool g
 weights were replaced (seen when the cache's weights epoch moves).
 
 Capture is pluggable (`CudaGraphCapture` on CUDA; `EagerGraphCapture`, a stand-in that replays the
-captured callable eagerly on the same static buffers, so the whole flow runs on CPU in the tests).
+captured callable eagerly on the same static buffers, so the whole flow runs on CPU in the tests;
+`cpu_graphs.CompiledCapture`, compiled CPU steps). A capture that says `captures_lazily` is asked for
+one bucket at a time, as a step needs it, and may have its buckets extended past the largest
+(`_extend`): its graphs hold no memory of their own.
 This module owns the buckets, the static buffers and the graphs; the forward itself is
 `ModelRunner`'s.
 """
@@ -49,6 +52,7 @@ This module owns the buckets, the static buffers and the graphs; the forward its
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -425,7 +429,7 @@ class DecodeGraphs:
         device: where the model runs.
         batch_sizes: the batch buckets (`batch_size_buckets`).
         max_seqlens: the `max_seqlen_k` buckets (`max_seqlen_buckets`).
-        capture: `CudaGraphCapture` (default) or a stand-in with the same call.
+        capture: `CudaGraphCapture` (default), `cpu_graphs.CompiledCapture`, or a stand-in with the same call.
     """
 
     def __init__(self, run_model: Callable, model: torch.nn.Module, kv: KVOwner, device: torch.device,
@@ -440,6 +444,7 @@ class DecodeGraphs:
         self.capture = capture if capture is not None else CudaGraphCapture(device)
         self.graphs: dict[GraphKey, _Graph] = {}
         self.num_replays = 0
+        self.capture_seconds = 0.0  # wall time of every capture so far (warm-ups and compilations included)
         self.replayed_keys: list[GraphKey] = []  # the key of every replay, in order (a test's view of the choices)
         self._memory = None  # (pool size, weights epoch) the signature below was taken at
         self._signature = None
@@ -453,9 +458,30 @@ class DecodeGraphs:
         replays on, or None: the step runs eagerly (more sequences, or longer, than any bucket)."""
         batch_size = smallest_bucket(self.batch_sizes, num_seqs)
         bound = smallest_bucket(self.max_seqlens, max_seqlen_k)
+        if (batch_size is None or bound is None) and num_seqs >= 1 and getattr(self.capture, "captures_lazily", False):
+            batch_size, bound = self._extend(num_seqs, max_seqlen_k)
         if batch_size is None or bound is None or num_seqs < 1:
             return None
         return GraphKey(batch_size, bound)
+
+    def _extend(self, num_seqs: int, max_seqlen_k: int) -> tuple[int, int]:
+        """Buckets for a step past the largest (an engine that widened since: drop-in `generate` sizes its
+        engine by its first call), for a capture that costs no memory per graph (`captures_lazily`): the
+        largest doubled until it fits. The static buffers are made anew, so every graph is recaptured."""
+        for sizes, value in ((self.batch_sizes, num_seqs), (self.max_seqlens, max_seqlen_k)):
+            bucket = sizes[-1]
+            while bucket < value:
+                bucket *= 2
+            if bucket != sizes[-1]:
+                if sizes is self.batch_sizes:
+                    self.batch_sizes = (*sizes, bucket)
+                else:
+                    self.max_seqlens = (*sizes, bucket)
+        self.inputs = StaticInputs(self.batch_sizes[-1], self.width_for(self.max_seqlens[-1]), self.num_groups,
+                                   self.inputs.long.device)
+        self.graphs.clear()
+        self.capture.reset()
+        return smallest_bucket(self.batch_sizes, num_seqs), smallest_bucket(self.max_seqlens, max_seqlen_k)
 
     def replay(self, key: GraphKey, batch: DecodeBatch) -> torch.Tensor:  # [batch.num_seqs, vocab]
         """Run `batch` on the graph of `key` (capturing its bucket first if needed); returns the real
@@ -470,7 +496,9 @@ class DecodeGraphs:
         self._drop_if_moved()
         graph = self.graphs.get(key)
         if graph is None:
-            self._capture_bucket(key.max_seqlen_k)
+            began = time.perf_counter()
+            self._capture_bucket(key)
+            self.capture_seconds += time.perf_counter() - began
             graph = self.graphs[key]
         self.inputs.fill(graph.layout, batch)
         graph.captured.replay()
@@ -478,10 +506,14 @@ class DecodeGraphs:
         self.replayed_keys.append(key)
         return graph.captured.output[: batch.num_seqs]
 
-    def _capture_bucket(self, max_seqlen_k: int) -> None:
-        """Capture every batch bucket's graph for `max_seqlen_k`, largest first."""
+    def _capture_bucket(self, key: GraphKey) -> None:
+        """Capture every batch bucket's graph for `key.max_seqlen_k`, largest first (so that the smaller
+        ones fit the memory the largest left in the pool); `key`'s alone for a capture that compiles
+        (`captures_lazily`: each bucket costs a compilation, paid when a step first needs it)."""
+        max_seqlen_k = key.max_seqlen_k
+        sizes = (key.batch_size,) if getattr(self.capture, "captures_lazily", False) else reversed(self.batch_sizes)
         try:
-            for batch_size in reversed(self.batch_sizes):
+            for batch_size in sizes:
                 key = GraphKey(batch_size, max_seqlen_k)
                 if key not in self.graphs:
                     self.graphs[key] = self._capture(key)

@@ -6,8 +6,9 @@ transformers sees a single row `[1, num_tokens]` with explicit positions; the at
 one `StepMetadata` (built here) that tells the sequences apart.
 
 Decode steps (every sequence feeds one token and samples it) replay a CUDA graph when the runner
-has them (`enable_cuda_graphs`, see `cuda_graphs.py`); every other step, and every step without
-graphs, runs eagerly. Either way the step's inputs reach the device through asynchronous copies:
+has them (`enable_cuda_graphs`, see `cuda_graphs.py`), or on CPU a forward compiled by Inductor
+(`enable_cpu_graphs`, see `cpu_graphs.py`), through the same buckets; every other step, and every
+step without either, runs eagerly. Either way the step's inputs reach the device through asynchronous copies:
 nothing here waits for the device.
 
 A chunk that feeds image placeholders (`Chunk.images`) makes the step run from input embeddings: the
@@ -39,6 +40,8 @@ from ..hf import rope as hf_rope
 from ..hf.latent import check_latent_rows, install_latent
 from ..hf.mixers import install_mixers
 from ..hf.state import StateStep
+from ..attention.interface import compiled_step
+from .cpu_graphs import CompiledCapture, StepAttention, compiled_forward
 from .cuda_graphs import DecodeBatch, DecodeGraphs, GraphCaptureError, GraphKey
 
 logger = logging.getLogger(__name__)
@@ -109,6 +112,8 @@ class ModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         enable_fast_linear(model)  # inert outside this runner's forwards (see hf.linear)
         self.graphs: DecodeGraphs | None = None  # decode steps replay these when set
+        self._compiled = None  # the model's compiled decode forward, once `enable_cpu_graphs` asked for it
+        self._cpu_graphs_pending = None  # (buckets, capture, decode steps left) before compiled steps start
         self.image_support = ImageSupport(model)
         self.image_encoder = ImageEncoder(self.image_support) if self.image_support.is_supported else None
         # What a sequence of this model records when its rotary frequencies follow its length (None: they
@@ -134,6 +139,22 @@ class ModelRunner:
         tests' `EagerGraphCapture`)."""
         self.graphs = DecodeGraphs(self._graph_forward, self.model, self.kv, self.device, batch_sizes,
                                    max_seqlens, capture)
+        self._cpu_graphs_pending = None
+        return self.graphs
+
+    def enable_cpu_graphs(self, batch_sizes: Sequence[int], max_seqlens: Sequence[int], capture=None,
+                          after_steps: int = 0) -> DecodeGraphs | None:
+        """Run decode steps compiled by Inductor (`cpu_graphs.py`), per batch bucket, through the same
+        `DecodeGraphs` as CUDA graphs (each graph compiles when a step first needs it), once `after_steps`
+        decode steps have run eagerly (`config.CPU_GRAPHS_COMPILE_AFTER_STEPS`; None is returned until
+        then). `capture` replaces `cpu_graphs.CompiledCapture`."""
+        if after_steps > 0:
+            self._cpu_graphs_pending = (batch_sizes, max_seqlens, capture, after_steps)
+            return None
+        self._cpu_graphs_pending = None
+        self._compiled = compiled_forward(self.model, self._cache_kwarg)
+        self.graphs = DecodeGraphs(self._compiled_graph_forward, self.model, self.kv, self.device, batch_sizes,
+                                   max_seqlens, capture if capture is not None else CompiledCapture())
         return self.graphs
 
     def keep_hidden_states(self) -> None:
@@ -142,7 +163,7 @@ class ModelRunner:
         hook on the decoder held for the model call only. Decode steps then run eagerly: a replayed
         graph would not run the hook."""
         self._hidden_source = decoder_of(self.model)
-        self.graphs = None
+        self.graphs = self._cpu_graphs_pending = None
 
     def _read_hidden(self, module, args, output) -> None:
         hidden = getattr(output, "last_hidden_state", None)
@@ -163,10 +184,13 @@ class ModelRunner:
         placed = [(i, rows) for i, c in enumerate(chunks) if (rows := c.image_rows()) is not None]
         rope = any(c.images is not None and c.images.mrope is not None for c in chunks)  # Qwen-VL's 3-D positions
         self.last_hidden_states = None
-        if self.graphs is not None and not copies and not placed and not rope and self.length_rope is None \
-                and self.kv.states is None and all(
+        if (self.graphs is not None or self._cpu_graphs_pending is not None) and not copies and not placed \
+                and not rope and self.length_rope is None and self.kv.states is None and all(
                 len(c.token_ids) == 1 and c.num_logits == 1 for c in chunks):
-            key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
+            if self.graphs is None:
+                self._count_eager_decode_step()
+            else:
+                key = self.graphs.key_for(len(chunks), max((c.seq.num_tokens for c in chunks), default=0))
         if key is not None:
             logits = self._replay(key, chunks, began)
             if logits is not None:
@@ -174,6 +198,14 @@ class ModelRunner:
                 return logits
             began = time.perf_counter()  # the capture failed and graphs are off: this step runs eagerly
         return self.run(self.inputs_for(chunks, copies, placed), new_full_blocks, began)
+
+    def _count_eager_decode_step(self) -> None:
+        """One more decode step ran eagerly before compiled steps start; the last one starts them."""
+        batch_sizes, max_seqlens, capture, left = self._cpu_graphs_pending
+        if left > 1:
+            self._cpu_graphs_pending = (batch_sizes, max_seqlens, capture, left - 1)
+        else:
+            self.enable_cpu_graphs(batch_sizes, max_seqlens, capture)
 
     def inputs_for(self, chunks: list[Chunk], copies: list[tuple[int, int]],
                    placed: list | None = None) -> "StepInputs":
@@ -257,9 +289,9 @@ class ModelRunner:
         try:
             logits = self.graphs.replay(key, batch)
         except GraphCaptureError:
-            logger.warning("hf_paged: capturing a CUDA graph failed; decode steps run eagerly from now on",
+            logger.warning("hf_paged: capturing a decode graph failed; decode steps run eagerly from now on",
                            exc_info=True)
-            self.graphs = None
+            self.graphs = self._cpu_graphs_pending = None
             self.kv.abort()  # a failed warm-up leaves its step unfinished; the eager run stages afresh
             return None
         except BaseException:
@@ -369,3 +401,13 @@ class ModelRunner:
         self.kv.begin(meta)
         meta.reset_forward_state()  # after: the cache checks that the step it ran last (maybe this one) finished
         return self._call_model(ids, pos, keep_index, meta)
+
+    def _compiled_graph_forward(self, ids: torch.Tensor, pos: torch.Tensor, keep_index: torch.Tensor,
+                                meta: StepMetadata) -> torch.Tensor:  # [len(keep_index), vocab]
+        """What a compiled decode step runs: the step begins here, the compiled forward computes every
+        row's logits (a decode step keeps them all, so `keep_index` is 0 .. B - 1) and each layer's
+        attention op writes and attends through this runner's cache with `meta`."""
+        self.kv.begin(meta)
+        meta.reset_forward_state()
+        with torch.inference_mode(), compiled_step(StepAttention(self.cache, meta)):
+            return self._compiled(ids, pos)

@@ -110,11 +110,13 @@ def test_scores_that_underflow_and_dominate():
 
 
 def test_unsupported_tensors_take_the_torch_path(monkeypatch):
-    """What the kernel does not read (fp16 queries, a head width that is not a multiple of 16, a
+    """What the kernel does not read (fp64 queries, a head width that is not a multiple of 16, a
     query that autograd tracks) runs on the torch path through the same plan, and still matches."""
     counter = CountCalls(monkeypatch)
-    half = make_paged_batch(MIXED_BATCH, 16, 6, 2, 32, torch.float16, seed=3)
-    assert_matches(run(half, 0.2, native_plan(half, 16)), naive_batch(half, 0.2), torch.float16)
+    wide = make_paged_batch(MIXED_BATCH, 16, 6, 2, 32, torch.float64, seed=3)
+    out = run(wide, 0.2, native_plan(wide, 16))
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, naive_batch(wide, 0.2), atol=1e-10, rtol=1e-10)  # fp64 throughout
     odd = make_paged_batch(MIXED_BATCH, 16, 6, 2, 40, torch.float32, seed=4)
     assert_matches(run(odd, 0.2, native_plan(odd, 16)), naive_batch(odd, 0.2), torch.float32)
     grad = make_paged_batch(MIXED_BATCH, 16, 6, 2, 32, torch.float32, seed=5)
