@@ -202,10 +202,11 @@ def _knob(default, help: str, parse=None, choices: Sequence[str] | None = None):
     return field(default=default, metadata={"help": help, "parse": parse or type(default), "choices": choices})
 
 
-# By default a compiled CPU decode graph (`worker.cpu_graphs`) compiles once its buckets have run this many
-# decode steps eagerly: about the steps whose saving pays for compiling (SmolLM2-135M at batch 1 on 2 cores:
-# 20-60 s to compile, ~15-25 ms saved per step), so an engine that decodes less never waits for the compiler,
-# and one that decodes more pays at most about twice what the better choice in hindsight costs (ski rental).
+# With HF_PAGED_CPU_GRAPHS=auto a compiled CPU decode graph (`worker.cpu_graphs`) compiles once its buckets have
+# run this many decode steps eagerly: about the steps whose saving pays for compiling (SmolLM2-135M at batch 1 on 2 cores:
+# 7 s to compile with Inductor's on-disk cache warm, 60 s cold; 15-30 ms saved per step), so an engine that
+# decodes less never waits for the compiler, and one that decodes more pays at most about twice what the
+# better choice in hindsight costs (ski rental).
 CPU_GRAPHS_COMPILE_AFTER_STEPS = 2048
 
 
@@ -258,12 +259,13 @@ class EngineConfig:
     prompt_lookup_max: int = _knob(3, "largest n-gram the ngram proposer tries")
     cuda_graphs: bool | None = _knob(None, "replay decode steps from CUDA graphs (default: on for a CUDA model "
                                            "with the Triton backend)", parse=bool)
-    # None: HF_PAGED_CPU_GRAPHS (1: as True, 0: as False), else on where compiled steps can run, each graph compiled
-    # once its steps have run CPU_GRAPHS_COMPILE_AFTER_STEPS times eagerly (short runs never wait for the
-    # compiler); True: compiled when a step first needs it (that step waits, 20-60 s for SmolLM2-135M).
+    # None: HF_PAGED_CPU_GRAPHS (1: as True; auto: on where compiled steps can run, each graph compiled once its
+    # steps have run CPU_GRAPHS_COMPILE_AFTER_STEPS times eagerly; 0 or unset: off); True: compiled when a step
+    # first needs it (that step waits, 7-60 s for SmolLM2-135M).
     cpu_graphs: bool | None = _knob(None, "run decode steps compiled by torch.compile (Inductor, C++) on CPU "
-                                          "(default: on where they can run, after "
-                                          f"{CPU_GRAPHS_COMPILE_AFTER_STEPS} eager decode steps)", parse=bool)
+                                          "(default: HF_PAGED_CPU_GRAPHS, 0, 1 or auto: after "
+                                          f"{CPU_GRAPHS_COMPILE_AFTER_STEPS} eager decode steps; off if unset)",
+                                    parse=bool)
     cuda_graph_batch_sizes: tuple[int, ...] | None = _knob(None, "CUDA graph (and compiled CPU step) batch buckets "
                                                                  "(default 1, 2, 4, ... and max-num-seqs)",
                                                            parse=(int,))

@@ -35,6 +35,7 @@ import os
 import torch
 
 from . import backend as backends
+from . import cpu_kernel
 from .backend import LayerCall, mask_rule
 from .kv_quant import rotate
 from .plan import StepPlan
@@ -197,3 +198,57 @@ def run(call: LayerCall, plan: StepPlan | None = None) -> torch.Tensor:  # [num_
         refused.append((name, why))
     raise ValueError("hf_paged: no attention backend takes this layer: "
                      + "; ".join(f"{name} does not take {why}" for name, why in refused))
+
+
+class DecodeRuns:
+    """A decode step's plain layers on the native CPU kernel, planned once per step and KV group: what
+    `paged_attention` does for such a layer on a "cpu" step (every sequence one query, no mask beyond
+    causality, no softcap, sinks or scales), without the per-layer planning and checks that hold for
+    the whole step (about 0.1 ms a layer on a 2-core CPU): a compiled decode step's attention
+    (`worker.cpu_graphs`). `plan` returns None where the step is not such a step; a call returns None
+    for a layer whose tensors the kernel does not read, which the caller then runs through
+    `paged_attention`.
+    """
+
+    def __init__(self, plan: StepPlan, runs, block_size: int):
+        self.plan, self.runs, self.block_size = plan, runs, block_size
+        self._readable: dict[tuple, bool] = {}  # per (K/V tensors, query dtype): `cpu_kernel.can_run`
+
+    @classmethod
+    def plan_step(cls, plan: StepPlan | None, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  block_size: int) -> "DecodeRuns | None":
+        """The step's runs over `block_tables` ([B, W] int32: one query per sequence, `seq_lens` [B]
+        int32 its lengths, one host read here), or None where the plan's backend is not "cpu", there is
+        no kernel, or the metadata would send the kernel outside the tables (the caller's
+        `paged_attention` then raises what is wrong)."""
+        if plan is None or plan.backend != "cpu" or plan.key_limits is not None or cpu_kernel.load() is None:
+            return None
+        lens = seq_lens.tolist()
+        if not lens or min(lens) < 1 or max(lens) > block_tables.shape[1] * block_size \
+                or block_tables.shape[0] != len(lens):
+            return None
+        seqs = list(range(len(lens)))
+        runs = cpu_kernel.ShortRuns(seqs, [1] * len(lens), lens, list(range(len(lens) + 1)), block_tables, block_size,
+                                    len(lens))
+        return cls(plan, runs, block_size)
+
+    def __call__(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 scale: float) -> torch.Tensor | None:  # [B, Hq, Dv]
+        """Attend `query` ([B, Hq, D], last dim contiguous) over the layer's blocks; None: not on the kernel."""
+        key = (key_cache.data_ptr(), value_cache.data_ptr(), tuple(key_cache.shape), tuple(value_cache.shape),
+               query.dtype, tuple(query.shape))
+        readable = self._readable.get(key)
+        if readable is None:
+            readable = self._readable[key] = (
+                key_cache.shape[1] == self.block_size and query.shape[0] == self.runs.seq_lens.shape[0]
+                and query.stride(-1) == 1 and cpu_kernel.can_run(query, key_cache, value_cache, None)
+                and 0 <= self.runs.block_range[0] and self.runs.block_range[1] < key_cache.shape[0])
+        if not readable:
+            return None
+        workspace, device = self.plan.workspace, query.device
+        runs = self.runs
+        return cpu_kernel.attend(
+            query, key_cache, value_cache, runs.block_tables, runs.seq_lens, runs.cu_seqlens_q,
+            runs.max_q_len * query.shape[1], runs.num_splits, runs.kv_tokens, scale, None, None, None,
+            lambda name, shape: (torch.empty(shape, dtype=torch.float32, device=device) if workspace is None
+                                 else workspace.get(name, shape, torch.float32, device)))

@@ -40,6 +40,7 @@ from ..hf.rope import default_max_model_len
 from ..sampling_params import SamplingParams
 from ..spec_decode import make_proposer
 from ..worker import ModelRunner
+from ..worker.cpu_graphs import batch_buckets as cpu_batch_buckets
 from ..worker.cpu_graphs import check_cpu_graphs
 from ..worker.cuda_graphs import batch_size_buckets, check_cuda_graphs, max_seqlen_buckets
 from .core import MAX_STEP_FAILURES, EngineCore, RequestError
@@ -96,8 +97,8 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
             None (default): on for a CUDA model with the Triton backend; True where they cannot run: ValueError.
         cpu_graphs: on CPU, run decode steps compiled by Inductor per batch bucket (`worker/cpu_graphs.py`); None
             (default): `config.EngineConfig.cpu_graphs`; True compiles when a step first needs it.
-        cuda_graph_batch_sizes, cuda_graph_max_seqlens: the buckets of either (default 1, 2, 4, ... `max_num_seqs`;
-            256, 512, ... the longest sequence the pool allows); a step past the largest runs eagerly.
+        cuda_graph_batch_sizes, cuda_graph_max_seqlens: the buckets of either (default 1, 2, 4, ... `max_num_seqs`,
+            on CPU up to 8; 256, 512, ... the longest sequence the pool allows); a step past the largest runs eagerly.
         state_checkpoint_interval, max_state_checkpoints: a model with recurrent layers (`hf.state`): tokens
             between the state checkpoints its prefix cache keeps (default `block_size`), and how many at most.
         grammar_cache_bytes, grammar_compile_timeout_seconds, grammar_mask_budget_seconds: structured outputs'
@@ -181,8 +182,7 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
         runner = ModelRunner(model, kv)
         longest = min(model_len, kv.num_blocks * kv.block_size)
         _enable_decode_graphs(runner, cuda_graphs and tp is None, cpu_graphs if tp is None else False, attention_backend,
-                              (batch_size_buckets(max_num_seqs, cuda_graph_batch_sizes),
-                               max_seqlen_buckets(longest, cuda_graph_max_seqlens)))
+                              max_num_seqs, cuda_graph_batch_sizes, max_seqlen_buckets(longest, cuda_graph_max_seqlens))
         proposer, num_speculative_tokens = make_proposer(
             draft_model=draft_model, method=speculative_method, num_tokens=num_speculative_tokens,
             lookup_min=prompt_lookup_min, lookup_max=prompt_lookup_max, target_num_blocks=kv.num_blocks,
@@ -570,12 +570,15 @@ class Engine(TensorParallelCalls, BlockingAPI, KeptKVAPI):
 
 
 def _enable_decode_graphs(runner: ModelRunner, cuda_graphs: bool | None, cpu_graphs: bool | None,
-                          attention_backend: str | None, buckets: tuple) -> None:
-    """Give the runner CUDA graphs or compiled CPU steps for decode steps, as the Engine's arguments ask."""
+                          attention_backend: str | None, max_num_seqs: int, batch_sizes: SequenceABC[int] | None,
+                          max_seqlens: tuple[int, ...]) -> None:
+    """Give the runner CUDA graphs or compiled CPU steps for decode steps, as the Engine's arguments ask
+    (`batch_sizes`: the caller's batch buckets, None: each kind's default)."""
+    cuda_buckets = batch_size_buckets(max_num_seqs, batch_sizes)  # validates the caller's sizes either way
     if check_cuda_graphs(cuda_graphs, runner.model, runner.device, attention_backend):
-        runner.enable_cuda_graphs(*buckets)
+        runner.enable_cuda_graphs(cuda_buckets, max_seqlens)
     elif (compile_after := check_cpu_graphs(cpu_graphs, runner.model, runner.device)) is not None:
-        runner.enable_cpu_graphs(*buckets, after_steps=compile_after)
+        runner.enable_cpu_graphs(cpu_batch_buckets(max_num_seqs, batch_sizes), max_seqlens, after_steps=compile_after)
 
 
 def _state_plan(interval: int | None, checkpoints: int | None, block_size: int, max_num_seqs: int,

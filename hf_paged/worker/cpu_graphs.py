@@ -29,8 +29,11 @@ buffers, fallback and recapture rules as CUDA graphs. Differences:
   fast linears on CPU (oneDNN with prepacked weights, its C++ GEMM template) need frozen weights, so
   the graph's fp32 linears call `F.linear` (MKL) or `hf.linear`'s kernel (oneDNN, as an opaque op),
   whichever reads this model's weights faster here, measured when the graph compiles.
-* Buckets grow: a step past the largest batch or `max_seqlen_k` bucket (an engine that widened since
-  it was built) doubles the largest until it fits, rather than running eagerly.
+* Batch buckets stop at `MAX_BATCH_SIZE` by default (`batch_buckets`): past a few rows a step's
+  linears dominate, and compiling saves nothing measurable (SmolLM2-135M at 64 rows on one core:
+  951 against 955 ms a step, at 8 rows 174 against 189), while the graph of batches above 1 costs
+  one more compilation. `max_seqlen_k` buckets grow: a step past the largest (an engine that
+  widened since it was built) doubles it until it fits, rather than running eagerly.
 * Replays skip Dynamo's guard checks (see `CompiledCapture`).
 
 A compilation that fails (no C++ compiler, an op Inductor cannot lower, a graph break in the model's
@@ -48,7 +51,7 @@ import os
 import shutil
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -62,11 +65,12 @@ from ..hf.layer import PagedLayer
 from ..hf.multimodal import ImageSupport
 from ..hf.rope import has_length_rope
 from ..hf.support import has_latent_kv, layer_specs_of
-from .cuda_graphs import CapturedGraph
+from .cuda_graphs import CapturedGraph, batch_size_buckets
 
 logger = logging.getLogger(__name__)
 
 ENVIRONMENT_VARIABLE = "HF_PAGED_CPU_GRAPHS"
+MAX_BATCH_SIZE = 8  # the largest default batch bucket (see the module docstring)
 DYNAMIC_ROWS = 8  # the rows the graph of batches above 1 measures its linear kernels at
 
 
@@ -102,17 +106,21 @@ def compile_refusal(model: torch.nn.Module, device: torch.device) -> str | None:
 def check_cpu_graphs(enabled: bool | None, model: torch.nn.Module, device: torch.device) -> int | None:
     """Resolve the Engine's `cpu_graphs` argument to how many decode steps run eagerly before compiled
     steps start (`ModelRunner.enable_cpu_graphs`'s `after_steps`), or None: no compiled steps. True: 0 (compile when a
-    step first needs it). None: `HF_PAGED_CPU_GRAPHS` (1: as True, 0: as False), else
-    `config.CPU_GRAPHS_COMPILE_AFTER_STEPS`, where compiled steps can run (`compile_refusal`), off elsewhere.
+    step first needs it). None: `HF_PAGED_CPU_GRAPHS` (1: as True; auto: after
+    `config.CPU_GRAPHS_COMPILE_AFTER_STEPS` eager decode steps where compiled steps can run; 0 or unset: off).
+    Off by default: a compile takes 7-60 s of the machine's cores, which a step, or a server's requests, would
+    otherwise wait for at a moment nobody chose.
 
     Raises:
         ValueError: `enabled` is True where compiled steps cannot run, naming why.
     """
+    deferred = False
     if enabled is None:
-        choice = os.environ.get(ENVIRONMENT_VARIABLE, "").strip()
-        if choice not in ("", "0", "1"):
-            raise ValueError(f"{ENVIRONMENT_VARIABLE} must be 0 or 1, got {choice!r}")
-        enabled = {"": None, "0": False, "1": True}[choice]
+        choice = os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower()
+        if choice not in ("", "0", "1", "auto"):
+            raise ValueError(f"{ENVIRONMENT_VARIABLE} must be 0, 1 or auto, got {choice!r}")
+        enabled = {"": False, "0": False, "1": True, "auto": None}[choice]
+        deferred = enabled is None
     if enabled is False:
         return None
     reason = compile_refusal(model, device)
@@ -120,7 +128,15 @@ def check_cpu_graphs(enabled: bool | None, model: torch.nn.Module, device: torch
         raise ValueError(f"cpu_graphs=True: {reason}")
     if reason is not None:
         return None
-    return 0 if enabled else CPU_GRAPHS_COMPILE_AFTER_STEPS
+    return CPU_GRAPHS_COMPILE_AFTER_STEPS if deferred else 0
+
+
+def batch_buckets(max_num_seqs: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
+    """The batch buckets of compiled CPU steps: `sizes` (`cuda_graphs.batch_size_buckets` checks them), or
+    1, 2, 4, ... up to `MAX_BATCH_SIZE` and `max_num_seqs`, whichever is smaller."""
+    if sizes is not None:
+        return batch_size_buckets(max_num_seqs, sizes)
+    return batch_size_buckets(min(max_num_seqs, MAX_BATCH_SIZE))
 
 
 def _specs(config) -> list:
@@ -171,7 +187,8 @@ class StepAttention:
 
     A plain layer (its own unquantised blocks, laid end to end, no window, chunk, softcap or sinks)
     takes the short way: its rows written with one `index_copy_` per tensor into the slots found once
-    per step, and `dispatch.paged_attention` with the step's plan. Every other layer takes the eager
+    per step, and its attention by the native CPU kernel on runs planned once per step
+    (`dispatch.DecodeRuns`; where that kernel does not run, `dispatch.paged_attention` with the step's plan). Every other layer takes the eager
     step's own code: `PagedCache.update`, then `paged_attention_forward` (its checks, masks and
     features). Both write and read the same blocks with the same kernels; the short way skips per-layer
     checks that hold for the whole step (about 0.1 ms a layer on a 2-core CPU).
@@ -182,6 +199,7 @@ class StepAttention:
         self.step = step
         self.kv = cache.kv
         self._rows = None  # (row index or None, slots) per KV group: where the step's real rows go
+        self._runs: dict[tuple, dispatch.DecodeRuns | None] = {}  # per (KV group, block size): the kernel's runs
 
     def __call__(self, query, key, value, layer_idx: int, scaling: float, sliding_window: int | None,
                  softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # [1, B, Hq, Dv]
@@ -214,9 +232,17 @@ class StepAttention:
         step.active_layer = layer_idx
         if len(step.layers_done) == len(self.kv.storage_layers):
             note_paged_step(None)  # masks built after this forward are for someone else
-        out = dispatch.paged_attention(query[0].transpose(0, 1), layer.keys, layer.values, step.block_tables_of(group),
-                                       step.seq_lens, step.cu_seqlens_q, step.max_seqlen_q, step.max_seqlen_k,
-                                       scaling, plan=step.plan)  # [B, Hq, Dv]
+        query = query[0].transpose(0, 1)  # [B, Hq, D]
+        key = (group, layer.keys.shape[1])
+        if key not in self._runs:
+            self._runs[key] = dispatch.DecodeRuns.plan_step(step.plan, step.block_tables_of(group), step.seq_lens,
+                                                            layer.keys.shape[1])
+        runs = self._runs[key]
+        out = runs(query, layer.keys, layer.values, scaling) if runs is not None else None
+        if out is None:
+            out = dispatch.paged_attention(query, layer.keys, layer.values, step.block_tables_of(group), step.seq_lens,
+                                           step.cu_seqlens_q, step.max_seqlen_q, step.max_seqlen_k, scaling,
+                                           plan=step.plan)  # [B, Hq, Dv]
         return out[None].contiguous()  # the op's declared layout (a fallback backend may return a view)
 
     def _slots(self, group: int) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -331,8 +357,7 @@ def _backend(gm: torch.fx.GraphModule, example_inputs, rows: int, forward: Compi
         gm.recompile()
     from torch._inductor.compile_fx import compile_fx
 
-    import json
-    return compile_fx(gm, example_inputs, config_patches=json.loads(os.environ.get("CG_OPTS", "{}")))
+    return compile_fx(gm, example_inputs)
 
 
 def faster_linear_kernel(model: torch.nn.Module, rows: int, repeats: int = 3) -> str:

@@ -43,8 +43,8 @@ weights were replaced (seen when the cache's weights epoch moves).
 Capture is pluggable (`CudaGraphCapture` on CUDA; `EagerGraphCapture`, a stand-in that replays the
 captured callable eagerly on the same static buffers, so the whole flow runs on CPU in the tests;
 `cpu_graphs.CompiledCapture`, compiled CPU steps). A capture that says `captures_lazily` is asked for
-one bucket at a time, as a step needs it, and may have its buckets extended past the largest
-(`_extend`): its graphs hold no memory of their own.
+one bucket at a time, as a step needs it, and may have its `max_seqlen_k` buckets extended past the
+largest (`_extend`): its graphs hold no memory of their own.
 This module owns the buckets, the static buffers and the graphs; the forward itself is
 `ModelRunner`'s.
 """
@@ -458,30 +458,26 @@ class DecodeGraphs:
         replays on, or None: the step runs eagerly (more sequences, or longer, than any bucket)."""
         batch_size = smallest_bucket(self.batch_sizes, num_seqs)
         bound = smallest_bucket(self.max_seqlens, max_seqlen_k)
-        if (batch_size is None or bound is None) and num_seqs >= 1 and getattr(self.capture, "captures_lazily", False):
-            batch_size, bound = self._extend(num_seqs, max_seqlen_k)
+        if bound is None and getattr(self.capture, "captures_lazily", False):
+            bound = self._extend(max_seqlen_k)
         if batch_size is None or bound is None or num_seqs < 1:
             return None
         return GraphKey(batch_size, bound)
 
-    def _extend(self, num_seqs: int, max_seqlen_k: int) -> tuple[int, int]:
-        """Buckets for a step past the largest (an engine that widened since: drop-in `generate` sizes its
-        engine by its first call), for a capture that costs no memory per graph (`captures_lazily`): the
-        largest doubled until it fits. The static buffers are made anew, so every graph is recaptured."""
-        for sizes, value in ((self.batch_sizes, num_seqs), (self.max_seqlens, max_seqlen_k)):
-            bucket = sizes[-1]
-            while bucket < value:
-                bucket *= 2
-            if bucket != sizes[-1]:
-                if sizes is self.batch_sizes:
-                    self.batch_sizes = (*sizes, bucket)
-                else:
-                    self.max_seqlens = (*sizes, bucket)
-        self.inputs = StaticInputs(self.batch_sizes[-1], self.width_for(self.max_seqlens[-1]), self.num_groups,
+    def _extend(self, max_seqlen_k: int) -> int:
+        """A `max_seqlen_k` bucket for a step past the largest (an engine that widened since it was built:
+        drop-in `generate` sizes its engine by its first call), for a capture whose graphs hold no memory
+        of their own (`captures_lazily`): the largest doubled until it fits. The static buffers are made
+        anew, so every graph is recaptured."""
+        bucket = self.max_seqlens[-1]
+        while bucket < max_seqlen_k:
+            bucket *= 2
+        self.max_seqlens = (*self.max_seqlens, bucket)
+        self.inputs = StaticInputs(self.batch_sizes[-1], self.width_for(bucket), self.num_groups,
                                    self.inputs.long.device)
         self.graphs.clear()
         self.capture.reset()
-        return smallest_bucket(self.batch_sizes, num_seqs), smallest_bucket(self.max_seqlens, max_seqlen_k)
+        return bucket
 
     def replay(self, key: GraphKey, batch: DecodeBatch) -> torch.Tensor:  # [batch.num_seqs, vocab]
         """Run `batch` on the graph of `key` (capturing its bucket first if needed); returns the real

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hf_paged import Engine, SamplingParams
+from hf_paged.attention import cpu_kernel, dispatch
 from hf_paged.worker import cpu_graphs
 from hf_paged.worker.cpu_graphs import check_cpu_graphs, compile_refusal
 from tiny_models import CONFIGS, VOCAB, tiny_model
@@ -64,6 +65,16 @@ def _engine(model, **kwargs):
     return Engine(model, **kwargs)
 
 
+def test_default_batch_buckets():
+    """By default compiled CPU steps serve batches up to 8 (past a few rows the linears dominate);
+    the caller's buckets are taken as given."""
+    assert cpu_graphs.batch_buckets(64) == (1, 2, 4, 8)
+    assert cpu_graphs.batch_buckets(3) == (1, 2, 3)
+    assert cpu_graphs.batch_buckets(64, [16, 1]) == (1, 16)
+    with pytest.raises(ValueError, match="cuda_graph_batch_sizes"):
+        cpu_graphs.batch_buckets(8, [16])
+
+
 def _run(engine, prompts):
     return engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                                    output_logits=True))
@@ -93,19 +104,28 @@ def test_compiled_steps_match_stock_and_eager(models, num_seqs):
 
 
 def test_plain_layers_skip_the_eager_layer_code(models, monkeypatch):
-    """A plain layer's K/V write and attention skip the eager step's per-layer code (`PagedCache.update`
-    and the attention function's checks): decode steps call neither, the eager prefill does."""
+    """A plain layer's K/V write and attention skip the eager step's per-layer code (`PagedCache.update`,
+    the attention function's checks, the per-layer planning of `dispatch.paged_attention`): decode steps
+    call none of them where the native kernel runs, the eager prefill does."""
     model, _ = models
     engine = _engine(model, cpu_graphs=True)
-    original, layers = type(engine.cache).update, []
+    update, attention, layers, calls = type(engine.cache).update, dispatch.paged_attention, [], []
 
     def counting(self, key_states, value_states, layer_idx, *args, **kwargs):
         layers.append(layer_idx)
-        return original(self, key_states, value_states, layer_idx, *args, **kwargs)
+        return update(self, key_states, value_states, layer_idx, *args, **kwargs)
+
+    def counting_attention(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return attention(*args, **kwargs)
 
     monkeypatch.setattr(type(engine.cache), "update", counting)
+    monkeypatch.setattr(dispatch, "paged_attention", counting_attention)
     _run(engine, _prompts([5]))
-    assert engine.runner.graphs.num_replays == NEW_TOKENS - 1 and layers == list(range(len(model.model.layers)))
+    num_layers = len(model.model.layers)
+    assert engine.runner.graphs.num_replays == NEW_TOKENS - 1 and layers == list(range(num_layers))
+    if cpu_kernel.load() is not None:  # else every decode layer's attention takes the dispatch
+        assert calls == [5] * num_layers  # the prefill's
 
 
 def test_layers_with_features_take_the_eager_layer_code():
@@ -181,16 +201,16 @@ def test_pool_growth_recaptures(models):
     assert [o.token_ids for o in again] == _stock(stock, prompts)
 
 
-def test_steps_past_the_largest_bucket_extend_the_buckets(models):
+def test_steps_past_the_largest_length_bucket_extend_it(models):
     """An engine that widened (drop-in `generate` sizes its engine by its first call) decodes past its
-    largest buckets: they double until the step fits, and it still runs compiled."""
+    largest `max_seqlen_k` bucket: it doubles until the step fits, and the step still runs compiled."""
     model, stock = models
     prompts = _prompts([3, 20], seed=9)
-    engine = _engine(model, cpu_graphs=True, cuda_graph_batch_sizes=(1,), cuda_graph_max_seqlens=(8,))
+    engine = _engine(model, cpu_graphs=True, cuda_graph_max_seqlens=(8,))
     outputs = _run(engine, prompts)
     graphs = engine.runner.graphs
-    assert graphs.batch_sizes == (1, 2) and graphs.max_seqlens == (8, 32)  # 21 keys at the first step
-    assert {k.batch_size for k in graphs.replayed_keys} == {2} and graphs.num_replays == NEW_TOKENS - 1
+    assert graphs.max_seqlens == (8, 32)  # 21 keys at the first step
+    assert graphs.num_replays == NEW_TOKENS - 1
     assert [o.token_ids for o in outputs] == _stock(stock, prompts)
 
 
@@ -213,15 +233,20 @@ def test_compile_failure_falls_back_to_eager(monkeypatch, caplog):
     assert engine.metrics()["vllm:num_preemptions"] == 0  # no step failed
 
 
-def test_default_compiles_after_eager_decode_steps(models, monkeypatch):
-    """By default compiled steps start once the engine has run `CPU_GRAPHS_COMPILE_AFTER_STEPS` decode
-    steps eagerly (a short run never waits for the compiler); HF_PAGED_CPU_GRAPHS=0 / 1 override it."""
+def test_auto_compiles_after_eager_decode_steps_and_the_default_never_compiles(models, monkeypatch):
+    """Unset, HF_PAGED_CPU_GRAPHS leaves every step eager; `auto` starts compiled steps once the engine has
+    run `CPU_GRAPHS_COMPILE_AFTER_STEPS` decode steps eagerly (a short run never waits for the compiler);
+    0 / 1 as cpu_graphs=False / True."""
     model, stock = models
-    monkeypatch.delenv(cpu_graphs.ENVIRONMENT_VARIABLE, raising=False)
     monkeypatch.setattr(cpu_graphs, "CPU_GRAPHS_COMPILE_AFTER_STEPS", 4)
+    monkeypatch.delenv(cpu_graphs.ENVIRONMENT_VARIABLE, raising=False)
+    engine = _engine(model)
+    prompts = _prompts([5], seed=11)
+    assert [o.token_ids for o in _run(engine, prompts)] == _stock(stock, prompts)
+    assert engine.runner.graphs is None and check_cpu_graphs(None, model, torch.device("cpu")) is None
+    monkeypatch.setenv(cpu_graphs.ENVIRONMENT_VARIABLE, "auto")
     engine = _engine(model)
     assert engine.runner.graphs is None
-    prompts = _prompts([5], seed=11)
     outputs = _run(engine, prompts)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.num_replays == NEW_TOKENS - 1 - 4  # the prefill samples the first token
@@ -231,7 +256,7 @@ def test_default_compiles_after_eager_decode_steps(models, monkeypatch):
     monkeypatch.setenv(cpu_graphs.ENVIRONMENT_VARIABLE, "1")
     assert check_cpu_graphs(None, model, torch.device("cpu")) == 0 and _engine(model).runner.graphs is not None
     monkeypatch.setenv(cpu_graphs.ENVIRONMENT_VARIABLE, "yes")
-    with pytest.raises(ValueError, match="HF_PAGED_CPU_GRAPHS must be 0 or 1"):
+    with pytest.raises(ValueError, match="HF_PAGED_CPU_GRAPHS must be 0, 1 or auto"):
         _engine(model)
     assert _engine(model, cpu_graphs=False).runner.graphs is None
 
