@@ -39,7 +39,10 @@ dtype; "max |diff|" is the kernel against the torch path on the same tensors (bf
 
     python benchmarks/attention.py [--rounds 3] [--reps 5] [--threads N] [--quick] [--json PATH]
                                    [--kv-dtypes float32,bfloat16,float16,int8,fp8_e4m3] [--dtypes-only]
-                                   [--shapes decode-64x4096,...]
+                                   [--shapes decode-64x4096,...] [--plain-pages]
+
+Pools are allocated as the engine allocates its K/V pools (`hf_paged.hf.pool_memory`: 2 MiB pages where
+Linux offers them); `--plain-pages` leaves them on the allocator's 4 KiB pages.
 
 The line `VERDICT decode 64x4096` compares `cpu` with the issue's target: >= 50% of copy bandwidth;
 `VERDICT int8 decode 64x4096` the int8 kernel's time with <= 0.5x the fp32 kernel's.
@@ -58,6 +61,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_paged.attention import cpu_kernel, flex_paged, kv_quant, torch_paged
 from hf_paged.config import kv_cache_dtype
+from hf_paged.hf import pool_memory
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 SCALE = D ** -0.5
@@ -87,6 +91,17 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+PLAIN_PAGES = False  # --plain-pages: the pools on whatever pages torch's allocator gives
+
+
+def pooled(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` copied into memory allocated as the engine allocates its K/V pools (`hf.pool_memory`:
+    huge pages where Linux offers them), or left as it is with --plain-pages."""
+    if PLAIN_PAGES:
+        return tensor
+    return pool_memory.zeros(tuple(tensor.shape), tensor.dtype, tensor.device).copy_(tensor)
+
+
 class Case:
     """One shape: a shuffled pool and a consecutive one holding the same K/V, and the dense copy."""
 
@@ -109,6 +124,8 @@ class Case:
         self.v = torch.empty_like(self.contig_v)
         self.k[perm] = self.contig_k
         self.v[perm] = self.contig_v
+        self.k, self.v, self.contig_k, self.contig_v = (pooled(t) for t in (self.k, self.v, self.contig_k,
+                                                                          self.contig_v))
         self.seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32)
         self.cu = torch.arange(0, num_seqs * q_len + 1, q_len, dtype=torch.int32)
         # stock: [batch, Hkv, L, D] contiguous, queries [batch, Hq, q_len, D]
@@ -171,11 +188,12 @@ class DtypePool:
         if spec.is_quantized:
             quant = kv_quant.KVQuant.of(spec, "dynamic")
             (self.k, key_scales), (self.v, value_scales) = (self._quantize(c, quant) for c in (case.k, case.v))
-            self.scales = kv_quant.KVScales(key_scales, value_scales, quant)
+            self.k, self.v = pooled(self.k), pooled(self.v)
+            self.scales = kv_quant.KVScales(pooled(key_scales), pooled(value_scales), quant)
             self.query = case.query
         else:
             dtype = getattr(torch, spec.storage)
-            self.k, self.v, self.query = case.k.to(dtype), case.v.to(dtype), case.query.to(dtype)
+            self.k, self.v, self.query = pooled(case.k.to(dtype)), pooled(case.v.to(dtype)), case.query.to(dtype)
         scale_bytes = 0 if self.scales is None else 2 * self.scales.key[:1, :1].numel() * 4
         self.kv_bytes = case.num_seqs * case.ctx * (HKV * 2 * D * self.k.element_size() + scale_bytes)
 
@@ -238,6 +256,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="the small shapes only (a smoke run)")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--plain-pages", action="store_true",
+                        help="pools on the allocator's own pages, not the engine's huge-page pools (hf.pool_memory)")
     parser.add_argument("--no-flex", action="store_true", help="skip the flex backend (its compiles take seconds)")
     parser.add_argument("--kv-dtypes", default=KV_DTYPES,
                         help=f"K/V dtypes of each decode shape's dtype table (default {KV_DTYPES}; '' for none)")
@@ -245,6 +265,8 @@ def main() -> int:
     parser.add_argument("--shapes", default=None,
                         help="only these shapes, e.g. decode-64x4096,prefill-1x512 (default: all)")
     args = parser.parse_args()
+    global PLAIN_PAGES
+    PLAIN_PAGES = args.plain_pages
     kv_dtypes = [name for name in args.kv_dtypes.split(",") if name]
     for name in kv_dtypes:
         kv_cache_dtype(name)  # a ValueError naming the vocabulary

@@ -509,7 +509,10 @@ def dtype_summary(by_dtype: dict, modes: list[str]) -> None:
             print(f"SUMMARY ({mode}) hf_paged {name}: {ours:.1f} out tok/s" + (", " + ", ".join(parts) if parts else ""))
 
 
-def verdict_text(value: float, target: float) -> str:
+def verdict_text(value: float | None, target: float) -> str:
+    """`value` (a ratio, higher is better) against `target`; "n/a" where there is no value."""
+    if value is None:
+        return "n/a"
     return f"{value:.2f}x ({'PASS' if value >= target else 'MISS'} >= {target}x)"
 
 
@@ -779,12 +782,6 @@ def run_for_dtype(args, dtype: torch.dtype, methods: list[str], modes: list[str]
             same = sum(a == b for a, b in pairs)
             print(f"  {name:16}{same}/{len(pairs)}")
 
-    def verdict(value, target, below=False):
-        if value is None:
-            return "n/a"
-        good = value <= target if below else value >= target
-        return f"{value:.2f}x ({'PASS' if good else 'MISS'} {'<=' if below else '>='} {target}x)"
-
     def ratio_to(mode, name, ours="hf_paged"):
         paged = tps.get((mode, ours))
         return paged / tps[(mode, name)] if paged and (mode, name) in tps else None
@@ -798,8 +795,9 @@ def run_for_dtype(args, dtype: torch.dtype, methods: list[str], modes: list[str]
             mfu = flops / res.wall / square if res is not None else None
             mfu_s = "n/a" if mfu is None else f"{mfu:.1%}" + (
                 f" ({'PASS' if mfu >= TARGET_MFU else 'MISS'} >= {TARGET_MFU:.0%})" if args.device == "cpu" else "")
-            parts = [f"vs static bs{b} {verdict(ratio_to(mode, f'static_bs{b}', ours), vs_static)}" for b in args.static_bs]
-            parts.append(f"vs generate_batch {verdict(ratio_to(mode, 'generate_batch', ours), vs_gb)}")
+            parts = [f"vs static bs{b} {verdict_text(ratio_to(mode, f'static_bs{b}', ours), vs_static)}"
+                     for b in args.static_bs]
+            parts.append(f"vs generate_batch {verdict_text(ratio_to(mode, 'generate_batch', ours), vs_gb)}")
             print(f"\nSUMMARY ({mode}) {ours} " + ", ".join(parts) + f", MFU {mfu_s}")
             verdicts[f"{mode}/{ours}"] = {
                 "tokens_per_s": tps.get((mode, ours)), "mfu": mfu,
@@ -825,8 +823,9 @@ def run_for_dtype(args, dtype: torch.dtype, methods: list[str], modes: list[str]
         share = ok[("sampling", "hf_paged")].profile["full"]["sampler"]
         share_s = "n/a" if share is None else (f"{share:.2%} ({'PASS' if share <= TARGET_SAMPLER_SHARE else 'MISS'} "
                                               f"<= {TARGET_SAMPLER_SHARE:.0%})")
+        vs_greedy = tps[("sampling", "hf_paged")] / greedy if greedy else None
         print(f"SUMMARY (sampling) hf_paged sampling / its greedy throughput "
-              f"{verdict(tps[('sampling', 'hf_paged')] / greedy if greedy else None, TARGET_SAMPLING_VS_GREEDY)}, "
+              f"{verdict_text(vs_greedy, TARGET_SAMPLING_VS_GREEDY)}, "
               f"sampler share of step time at {args.max_num_seqs} running {share_s}")
     return tps
 

@@ -50,7 +50,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import latency  # noqa: E402  (benchmarks/latency.py: prompts, run_once, read_bandwidth)
+import latency  # noqa: E402  (benchmarks/latency.py: prompts, run_once, StreamClock, read_bandwidth)
 import throughput  # noqa: E402  (benchmarks/throughput.py: the workload, static batches, the engine run)
 
 import hf_paged  # noqa: E402,F401  (registers "hf_paged")
@@ -92,25 +92,11 @@ def stored_bytes(model) -> int:
     return sum(sizes.values())
 
 
-class TokenClock:
-    """A streamer that timestamps every `put`: the prompt first, then each generated token (stock
-    `generate` calls it outside any compiled region, so it times compiled steps too)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def run_static(model, ids, new_tokens: int, compile_config=None) -> dict:
     """Stock `generate` with a static cache (compiled where `compile_config` is given)."""
     model.set_attn_implementation("sdpa")
     inputs = torch.tensor([ids])
-    clock = TokenClock()
+    clock = latency.StreamClock()  # stock calls its streamer outside any compiled region: it times compiled steps too
     kwargs = dict(cache_implementation="static", streamer=clock)
     if compile_config is not None:
         kwargs["compile_config"] = compile_config

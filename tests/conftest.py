@@ -8,6 +8,7 @@ interpreter-only tests then skip, and the `cuda`-marked tests run instead).
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -19,3 +20,20 @@ if not torch.cuda.is_available():
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """Whether each drop-in call was served by the engine (True) or fell back to stock (False)."""
+    import hf_paged.integrations.batch_generate as batch_generate  # here, so collecting a test imports no engine
+
+    calls = []
+    original = batch_generate.try_engine_generate
+
+    def spy(*args, **kwargs):
+        result = original(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(batch_generate, "try_engine_generate", spy)
+    return calls

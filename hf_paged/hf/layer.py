@@ -48,6 +48,7 @@ except ImportError:  # transformers < 5.23: no layer class for layers that store
 
 from ..attention.kv_quant import KVQuant, KVScales
 from ..kv_spec import FullAttention, LayerSpec, SharedKV
+from . import pool_memory
 
 
 class PagedLayer(CacheLayerMixin):
@@ -109,10 +110,10 @@ class PagedLayer(CacheLayerMixin):
             self.is_initialized = True
             return
         # zeros, not empty: padding columns of the dense path read never-written slots
-        self.keys = torch.zeros(num_blocks, block_size, num_kv_heads, key_states.shape[3], dtype=dtype,
-                                device=self.device)
-        self.values = torch.zeros(num_blocks, block_size, value_states.shape[1], value_states.shape[3],
-                                  dtype=dtype, device=self.device)
+        self.keys = pool_memory.zeros((num_blocks, block_size, num_kv_heads, key_states.shape[3]), dtype,
+                                      self.device)
+        self.values = pool_memory.zeros((num_blocks, block_size, value_states.shape[1], value_states.shape[3]),
+                                        dtype, self.device)
         if kv.cache_config.kv_dtype.is_quantized:
             quant = self.quant or kv.default_quant
             shape = (num_blocks, block_size, *quant.scales_shape(num_kv_heads))
@@ -254,8 +255,8 @@ class LatentLayer(PagedLayer):
         self.device = key_states.device
         dtype = kv.kv_dtype or key_states.dtype
         # zeros, not empty: padding columns of the dense path read never-written slots
-        self.rows = torch.zeros(kv.pool.num_blocks, kv.block_size, 1, self.spec.row_width, dtype=dtype,
-                                device=self.device)
+        self.rows = pool_memory.zeros((kv.pool.num_blocks, kv.block_size, 1, self.spec.row_width), dtype,
+                                      self.device)
         self._take_views()
         self.is_initialized = True
 

@@ -81,7 +81,7 @@ def _is_plain(weight, bias) -> bool:
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias  # each a module `__getattr__`: read once
     if (getattr(_local, "active", False) and input.dtype == torch.float32 and weight.dtype == torch.float32
-            and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN) and type(input) is torch.Tensor
+            and _is_plain(weight, bias) and type(input) is torch.Tensor  # again: a model quantised after `enable`
             and input.device.type == "cpu" and not torch.is_grad_enabled()
             # One row on one thread: both kernels stream the weights at one core's bandwidth and MKL's
             # was measured 4% faster (`benchmarks/latency.py --kernels --threads 1`).

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_spec import KVShape
+from . import pool_memory
 
 
 class PageBuffers:
@@ -46,8 +47,8 @@ class PageBuffers:
 
     def allocate(self, num_blocks: int, dtype: torch.dtype, device: torch.device) -> None:
         # zeros, not empty: padding columns of the dense path read never-written slots
-        self.keys = torch.zeros(num_blocks, self.block_size * self.page_k, dtype=dtype, device=device)
-        self.values = torch.zeros(num_blocks, self.block_size * self.page_v, dtype=dtype, device=device)
+        self.keys = pool_memory.zeros((num_blocks, self.block_size * self.page_k), dtype, device)
+        self.values = pool_memory.zeros((num_blocks, self.block_size * self.page_v), dtype, device)
 
     def views(self, shape: KVShape, offset_k: int, offset_v: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V: [num_blocks, block_size, num_kv_heads, head_dim] (V: head_dim_v) views

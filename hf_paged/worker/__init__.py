@@ -8,6 +8,8 @@
   logprobs, scores and raw logits on request.
 * `cuda_graphs.py`: `DecodeGraphs`, decode steps captured per (batch bucket, max_seqlen_k bucket)
   and replayed from static input buffers (on CUDA with the Triton backend; `Engine(cuda_graphs=)`).
+* `cpu_graphs.py`: compiled decode steps on CPU, the model's forward compiled by Inductor per batch bucket
+  and run through the same `DecodeGraphs` (off unless asked for: `Engine(cpu_graphs=)`, `HF_PAGED_CPU_GRAPHS`).
 * `cpu_caches.py`: caps on oneDNN's shape-keyed primitive caches, so a long-running process's
   memory stays flat as step shapes vary.
 

@@ -97,10 +97,20 @@ def test_a_latent_attention_model_moves_its_rows_and_decodes_as_one_engine():
     assert moved == sum(len(p) for p in SHARED[:5]) * per_token
 
 
-def test_streamed_tokens_join_to_the_outputs():
-    params = SamplingParams(max_new_tokens=6)
+@pytest.fixture(scope="module")
+def pair():
+    """One prefill and one decode worker with default settings, started once for the tests that inject no
+    fault and read no cumulative counter (a worker start is most of such a test's time); their processes
+    must be gone after it is closed."""
     with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1) as engine:
-        events = list(engine.stream(PROMPTS[:4], params))
+        pids = list(engine.worker_pids.values())
+        yield engine
+    assert _gone(pids)
+
+
+def test_streamed_tokens_join_to_the_outputs(pair):
+    params = SamplingParams(max_new_tokens=6)
+    events = list(pair.stream(PROMPTS[:4], params))
     expected = _reference(PROMPTS[:4], params)
     for i in range(4):
         mine = [e for e in events if e.index == i]
@@ -108,12 +118,11 @@ def test_streamed_tokens_join_to_the_outputs():
         assert [e.finish_reason for e in mine][-1] == "length" and all(e.finish_reason is None for e in mine[:-1])
 
 
-def test_a_bad_request_fails_alone():
+def test_a_bad_request_fails_alone(pair):
     params = SamplingParams(max_new_tokens=5)
     prompts = [PROMPTS[0], [5, VOCAB + 7], [], PROMPTS[1]]
-    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1) as engine:
-        out = engine.generate(prompts, params)
-        [two] = engine.generate([PROMPTS[0]], SamplingParams(n=2, temperature=1.0))
+    out = pair.generate(prompts, params)
+    [two] = pair.generate([PROMPTS[0]], SamplingParams(n=2, temperature=1.0))
     assert two.error is not None and "n=1" in str(two.error)
     assert out[1].error is not None and str(VOCAB + 7) in str(out[1].error)
     assert out[2].error is not None and "empty" in str(out[2].error)
@@ -201,11 +210,11 @@ def test_a_lost_transfer_is_retried_once_then_recomputed(dropped, recomputed):
     assert m.get("recomputed", 0) == recomputed
 
 
-def test_the_first_token_ends_a_request_on_the_prefill_worker():
+def test_the_first_token_ends_a_request_on_the_prefill_worker(pair):
     params = SamplingParams(max_new_tokens=1)
-    with DisaggregatedEngine(tiny_paged_llama, num_prefill=1, num_decode=1) as engine:
-        out = engine.generate(PROMPTS[:3], params)
-        assert engine.metrics()["kv_bytes_transferred"] == 0
+    moved = pair.metrics()["kv_bytes_transferred"]  # the shared workers' earlier requests'
+    out = pair.generate(PROMPTS[:3], params)
+    assert pair.metrics()["kv_bytes_transferred"] == moved
     assert [o.token_ids for o in out] == _reference(PROMPTS[:3], params)
 
 

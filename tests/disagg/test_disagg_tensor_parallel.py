@@ -103,7 +103,11 @@ def test_a_killed_rank_takes_its_worker_down_and_its_requests_are_rerun(model_di
 
     long = SamplingParams(max_new_tokens=40, ignore_eos=True)
     many = [PROMPTS[i % len(PROMPTS)] + [7 + i] for i in range(12)]
-    with DisaggregatedEngine(TensorParallelReplica(model_dir), num_prefill=1, num_decode=2, heartbeat_timeout=5.0,
+    # A dead decode worker's requests need a second decode worker; a dead prefill worker's go to the decode
+    # worker whole, so one (two more ranks would add only their start-up).
+    num_decode = 2 if victim.startswith("decode") else 1
+    with DisaggregatedEngine(TensorParallelReplica(model_dir), num_prefill=1, num_decode=num_decode,
+                             heartbeat_timeout=5.0,
                              prefill_tensor_parallel_size=2, decode_tensor_parallel_size=2,
                              faults={victim: {"slow_step_seconds": 0.1}}) as engine:
         tree = _tree(engine.worker_pids.values())

@@ -21,6 +21,15 @@ def model_and_tokenizer():
     return load_default(dtype=torch.float32, attn_implementation="sdpa")
 
 
+@pytest.fixture(scope="module")
+def stock_batched(model_and_tokenizer):
+    """Stock sdpa on the eight left-padded chat prompts: the one reference every batched test compares with."""
+    model, tokenizer = model_and_tokenizer
+    inputs = chat_inputs(tokenizer)
+    model.set_attn_implementation("sdpa")
+    return inputs, _generate(model, inputs)
+
+
 def _generate(model, inputs):
     return model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                           output_logits=True, return_dict_in_generate=True)
@@ -33,13 +42,11 @@ def _assert_parity(ref, out):
 
 
 @pytest.mark.parity
-def test_batched_left_padded_parity(model_and_tokenizer):
-    model, tokenizer = model_and_tokenizer
-    inputs = chat_inputs(tokenizer)
+def test_batched_left_padded_parity(model_and_tokenizer, stock_batched):
+    model, _ = model_and_tokenizer
+    inputs, ref = stock_batched
     lengths = inputs["attention_mask"].sum(1)
     assert lengths.min() < lengths.max()  # really mixed lengths, really padded
-    model.set_attn_implementation("sdpa")
-    ref = _generate(model, inputs)
     model.set_attn_implementation("hf_paged")
     model.hf_paged_use_engine = False  # the stock generate path over a PagedCache
     out = _generate(model, inputs)
@@ -80,7 +87,7 @@ def test_text_generation_pipeline(model_and_tokenizer):
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu", "flex"])
-def test_batched_parity_through_each_cpu_backend(model_and_tokenizer, backend, monkeypatch):
+def test_batched_parity_through_each_cpu_backend(model_and_tokenizer, stock_batched, backend, monkeypatch):
     """The eight chat prompts through the engine (drop-in generate) with each CPU attention backend
     forced: the torch path alone, the native kernel for decode ("cpu", the default here), and
     FlexAttention: the same greedy tokens as stock sdpa, logits within 2e-4."""
@@ -88,10 +95,8 @@ def test_batched_parity_through_each_cpu_backend(model_and_tokenizer, backend, m
 
     if backend == "cpu" and cpu_kernel.load() is None:
         pytest.skip(f"no CPU kernel: {cpu_kernel.load_error()}")
-    model, tokenizer = model_and_tokenizer
-    inputs = chat_inputs(tokenizer)
-    model.set_attn_implementation("sdpa")
-    ref = _generate(model, inputs)
+    model, _ = model_and_tokenizer
+    inputs, ref = stock_batched
     monkeypatch.setenv("HF_PAGED_BACKEND", backend)
     seen = []
     real = dispatch.run

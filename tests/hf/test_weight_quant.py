@@ -18,7 +18,6 @@ pytest.importorskip("torchao")
 from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_  # noqa: E402
 from transformers import AutoModelForCausalLM, TorchAoConfig  # noqa: E402
 
-import hf_paged.integrations.batch_generate as batch_generate  # noqa: E402
 from hf_paged import Engine, SamplingParams  # noqa: E402
 from hf_paged.hf import linear  # noqa: E402
 from hf_paged.hf.weights import weights_fingerprint  # noqa: E402
@@ -43,21 +42,6 @@ def load_quantised(path, kind: str = "int8", attn_implementation: str = "sdpa"):
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config, dtype=torch.float32,
                                                  attn_implementation=attn_implementation)
     return model.eval()
-
-
-@pytest.fixture
-def engine_calls(monkeypatch):
-    """Whether each drop-in call was served by the engine (True) or fell back to stock (False)."""
-    calls = []
-    original = batch_generate.try_engine_generate
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(batch_generate, "try_engine_generate", spy)
-    return calls
 
 
 @pytest.fixture

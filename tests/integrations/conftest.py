@@ -2,23 +2,6 @@
 
 import pytest
 
-import hf_paged.integrations.batch_generate as batch_generate
-
-
-@pytest.fixture
-def engine_calls(monkeypatch):
-    """Whether each drop-in call was served by the engine (True) or fell back to stock (False)."""
-    calls = []
-    original = batch_generate.try_engine_generate
-
-    def spy(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(batch_generate, "try_engine_generate", spy)
-    return calls
-
 
 @pytest.fixture
 def engine_streams(monkeypatch):

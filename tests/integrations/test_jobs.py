@@ -129,17 +129,22 @@ def _cli(model_dir, rows_path, out, *extra):
             "--output", str(out), "--max-new-tokens", "12", "--max-num-seqs", "2", *extra], env
 
 
+# The interrupted-run tests' rows: enough that a run stopped after a third of them is stopped half-way
+# (2 sequences at a time), with the three kinds of bad row.
+JOB_ROWS, JOB_BAD = 100, (7, 50, 83)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(model_dir, tmp_path_factory):
     """The rows file and the records of one run of the batch job left to finish."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    rows_path = _write_jsonl(folder / "rows.jsonl", _rows())
+    rows_path = _write_jsonl(folder / "rows.jsonl", _rows(JOB_ROWS, JOB_BAD))
     full = folder / "full.jsonl"
     cmd, env = _cli(model_dir, rows_path, full)
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "row" in done.stderr and "hf_paged" in done.stderr  # the progress bar
-    assert "197 rows written, 3 error records" in done.stdout
+    assert f"{JOB_ROWS - 3} rows written, 3 error records" in done.stdout
     return rows_path, _records(full)
 
 
@@ -150,12 +155,12 @@ def test_an_interrupted_run_resumes_to_exactly_the_uninterrupted_records(model_d
     cmd, env = _cli(model_dir, rows_path, out)
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 60):
+    while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < JOB_ROWS // 3):
         time.sleep(0.05)
     proc.send_signal(sig)
     proc.communicate(timeout=120)
     written = out.read_text().count("\n")
-    assert 0 < written < 200, f"the run was not stopped half-way ({written} records)"
+    assert 0 < written < JOB_ROWS, f"the run was not stopped half-way ({written} records)"
     if sig == signal.SIGTERM:
         assert proc.returncode == 130  # stopped cleanly: every record complete
     cmd, env = _cli(model_dir, rows_path, out)

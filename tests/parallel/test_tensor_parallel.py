@@ -17,28 +17,36 @@ import pytest
 
 from tiny_models import MLA_CONFIGS, tiny_mla_model, tiny_model
 
-WORKER = pathlib.Path(__file__).with_name("tp_worker.py")
+WORKER = pathlib.Path(__file__).with_name("tp_worker_all.py")  # tp_worker.py's run, for several models
+ARCHS = ["llama", "qwen3", "qwen3_5", "deepseek_v3"]
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _launch(model_dir, out, nproc: int = 2) -> None:
+def _launch(pairs, nproc: int = 2) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(model_dir), str(out)]
+           str(WORKER), *[str(p) for pair in pairs for p in pair]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300 * len(pairs), env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "deepseek_v3"])
-def test_tp2_matches_the_single_process_engine_on_every_rank(arch, tmp_path):
-    model_dir = tmp_path / arch
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every architecture's model folder, and its outputs from one torchrun launch of 2 ranks."""
+    folder = tmp_path_factory.mktemp("tp2")
+    for arch in ARCHS:
+        (tiny_mla_model(arch) if arch in MLA_CONFIGS else tiny_model(arch)).save_pretrained(folder / arch)
+    _launch([(folder / arch, folder / f"{arch}.json") for arch in ARCHS])
+    return folder
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_matches_the_single_process_engine_on_every_rank(arch, launched):
+    model_dir = launched / arch
     latent = arch in MLA_CONFIGS
-    (tiny_mla_model(arch) if latent else tiny_model(arch)).save_pretrained(model_dir)
-    out = tmp_path / "out.json"
-    _launch(model_dir, out)
-    single = json.loads(out.read_text())
-    ranks = [json.loads((tmp_path / f"out.json.rank{r}").read_text()) for r in range(2)]
+    single = json.loads((launched / f"{arch}.json").read_text())
+    ranks = [json.loads((launched / f"{arch}.json.rank{r}").read_text()) for r in range(2)]
     for key in ("greedy", "sampled", "preempted_greedy", "preempted_sampled", "dropin_greedy", "dropin_sampled"):
         for rank, got in enumerate(ranks):
             assert got[key] == single[key], f"{key} on rank {rank}"

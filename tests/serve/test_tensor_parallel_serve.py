@@ -179,9 +179,18 @@ def test_prefill_and_decode_pools_at_their_own_sizes_answer_as_one_engine(model_
     (("--num-decode", "2", "--decode-tensor-parallel-size", "0"), "must be a positive integer"),
     (("--num-decode", "2", "--data-parallel-size", "2"), "does not combine with --num-prefill/--num-decode"),
 ])
-def test_pool_flags_that_cannot_work_are_refused_at_start(model_dir, flags, message):
-    import sys
+def test_pool_flags_that_cannot_work_are_refused_at_start(model_dir, flags, message, monkeypatch, capsys):
+    # In this process (`hf-paged serve` is `hf_paged.cli.main`): the same parser and checks, without a
+    # second interpreter's start-up. Flags the checks let through stop at the API-key check, the first
+    # step after them, instead of loading the model.
+    from hf_paged import cli
+    from hf_paged.serve import launch
 
-    cmd = [sys.executable, "-m", "hf_paged.cli", "serve", str(model_dir), "--port", "9", *flags]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    def passed(_key):
+        raise AssertionError(f"{flags} passed the flag checks")
+
+    monkeypatch.setattr(launch, "check_api_key", passed)
+    with pytest.raises(SystemExit) as done:
+        cli.main(["serve", str(model_dir), "--port", "9", *flags])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err, err[-2000:]

@@ -18,6 +18,7 @@ from hf_paged import Engine, SamplingParams
 from hf_paged.attention import cpu_kernel, dispatch
 from hf_paged.worker import cpu_graphs
 from hf_paged.worker.cpu_graphs import check_cpu_graphs, compile_refusal
+from layer_kinds import greedy_alone
 from tiny_models import CONFIGS, VOCAB, tiny_model
 
 # Inductor fuses the norms, rotary and MLP element-wise work into other loops than eager's kernels:
@@ -46,17 +47,6 @@ def _prompts(lengths, seed=0):
 def models():
     """(the model the engines serve, the same weights under stock sdpa)."""
     return _peaked(tiny_model("llama", "hf_paged")), _peaked(tiny_model("llama", "sdpa"))
-
-
-def _stock(model, prompts) -> list[list[int]]:
-    """Stock `generate`'s greedy ids, one prompt at a time (`model` under transformers' own attention)."""
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS)
-        outs.append(out[0, len(p):].tolist())
-    return outs
 
 
 def _engine(model, **kwargs):
@@ -98,7 +88,7 @@ def test_compiled_steps_match_stock_and_eager(models, num_seqs):
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.num_replays >= NEW_TOKENS - 2  # every decode step but the last few
     assert {k.batch_size for k in graphs.replayed_keys} == {1 if num_seqs == 1 else 8}
-    want = _stock(stock, prompts)
+    want = greedy_alone(stock, prompts, NEW_TOKENS)
     assert [o.token_ids for o in compiled] == want
     _assert_same(eager, compiled)
 
@@ -140,7 +130,7 @@ def test_layers_with_features_take_the_eager_layer_code():
     assert engine.runner.graphs.num_replays == NEW_TOKENS - 1
     _assert_same(eager, outputs)
     stock = tiny_model(arch, "sdpa")
-    assert [o.token_ids for o in outputs] == _stock(stock, prompts)
+    assert [o.token_ids for o in outputs] == greedy_alone(stock, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("kernel", ["hf_paged", "stock"])
@@ -156,7 +146,7 @@ def test_either_linear_kernel(monkeypatch, kernel):
     forward = cpu_graphs.compiled_forward(model, "cache")
     assert engine.runner.graphs.num_replays == NEW_TOKENS - 1 and set(forward.linear_kernels.values()) == {kernel}
     _assert_same(eager, outputs)
-    assert [o.token_ids for o in outputs] == _stock(tiny_model("llama", "sdpa", seed=4), prompts)
+    assert [o.token_ids for o in outputs] == greedy_alone(tiny_model("llama", "sdpa", seed=4), prompts, NEW_TOKENS)
 
 
 # ---------------------------------------------------------------------- what moves under the graphs
@@ -177,7 +167,7 @@ def test_weights_changed_in_place_are_followed(models):
         captured = engine.runner.graphs.capture.num_captures
         after = _run(engine, prompts)
         assert engine.runner.graphs.capture.num_captures == captured  # nothing recompiled or recaptured
-        want = _stock(stock, prompts)
+        want = greedy_alone(stock, prompts, NEW_TOKENS)
         assert [o.token_ids for o in after] == want
         _assert_same(_run(_engine(model, cpu_graphs=False), prompts), after)
     finally:
@@ -198,7 +188,7 @@ def test_pool_growth_recaptures(models):
     again = _run(engine, prompts)
     assert graphs.capture.num_captures > captured
     _assert_same(first, again)
-    assert [o.token_ids for o in again] == _stock(stock, prompts)
+    assert [o.token_ids for o in again] == greedy_alone(stock, prompts, NEW_TOKENS)
 
 
 def test_steps_past_the_largest_length_bucket_extend_it(models):
@@ -211,7 +201,7 @@ def test_steps_past_the_largest_length_bucket_extend_it(models):
     graphs = engine.runner.graphs
     assert graphs.max_seqlens == (8, 32)  # 21 keys at the first step
     assert graphs.num_replays == NEW_TOKENS - 1
-    assert [o.token_ids for o in outputs] == _stock(stock, prompts)
+    assert [o.token_ids for o in outputs] == greedy_alone(stock, prompts, NEW_TOKENS)
 
 
 # ---------------------------------------------------------------------- falling back, turning on
@@ -242,7 +232,7 @@ def test_auto_compiles_after_eager_decode_steps_and_the_default_never_compiles(m
     monkeypatch.delenv(cpu_graphs.ENVIRONMENT_VARIABLE, raising=False)
     engine = _engine(model)
     prompts = _prompts([5], seed=11)
-    assert [o.token_ids for o in _run(engine, prompts)] == _stock(stock, prompts)
+    assert [o.token_ids for o in _run(engine, prompts)] == greedy_alone(stock, prompts, NEW_TOKENS)
     assert engine.runner.graphs is None and check_cpu_graphs(None, model, torch.device("cpu")) is None
     monkeypatch.setenv(cpu_graphs.ENVIRONMENT_VARIABLE, "auto")
     engine = _engine(model)
@@ -250,7 +240,7 @@ def test_auto_compiles_after_eager_decode_steps_and_the_default_never_compiles(m
     outputs = _run(engine, prompts)
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.num_replays == NEW_TOKENS - 1 - 4  # the prefill samples the first token
-    assert [o.token_ids for o in outputs] == _stock(stock, prompts)
+    assert [o.token_ids for o in outputs] == greedy_alone(stock, prompts, NEW_TOKENS)
     monkeypatch.setenv(cpu_graphs.ENVIRONMENT_VARIABLE, "0")
     assert _engine(model).runner.graphs is None and check_cpu_graphs(None, model, torch.device("cpu")) is None
     monkeypatch.setenv(cpu_graphs.ENVIRONMENT_VARIABLE, "1")
