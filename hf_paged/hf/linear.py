@@ -6,7 +6,9 @@ about 12 GB/s, while oneDNN's inner product, which torch ships and Inductor alre
 (`torch.ops.mkldnn._linear_pointwise`), reads the same row-major weight on every thread.
 `benchmarks/latency.py --kernels` measures both on all of this model's linears; on the 2-core AMD EPYC
 this project was built on they take 0.69x the time at one row, 0.72-0.76x at 6-256 rows on torch's
-two threads, and on one thread 0.85-0.89x at 6-256 rows but 1.04x at one row, where MKL is kept.
+two threads, and on one thread 0.85-0.89x at 6-256 rows but 1.04x at one row, where MKL is kept. On a
+2-core Ice Lake Xeon MKL's reads at one row on 2 threads in 0.6x oneDNN's time: at one row the kernel
+is chosen by measurement on the machine (`onednn_wins_at_one_row`, once per thread count).
 
 `enable(model)` gives each plain `nn.Linear` of the model an instance `forward` (the pattern
 accelerate's hooks use; the module keeps its type, parameters and state dict) that takes the
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import threading
+import time
 import types
 
 import torch
@@ -40,6 +44,8 @@ _ATTR = "_hf_paged_fast_linear"
 # `type(t) in _PLAIN`: a plain tensor or parameter. `nn.Parameter(subclass)` keeps the subclass's type
 # (torchao's quantised weights, DTensor), so this one look-up is exact and cheaper than `type(t.data)`.
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_one_row: dict[int, bool] = {}  # thread count -> whether oneDNN beats MKL at one row here (measured once)
+ONE_ROW_WEIGHT = (3072, 2048)  # 24 MiB of fp32: past the caches, streamed as a decode step streams its weights
 
 
 def _probe():
@@ -78,14 +84,41 @@ def _is_plain(weight, bias) -> bool:
     return type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN)
 
 
+def onednn_wins_at_one_row() -> bool:
+    """Whether oneDNN's kernel reads a weight faster than MKL's at one input row on this machine and
+    thread count: measured once per thread count (about 0.1 s: a weight past the caches, 5 alternated
+    rounds of 2 calls each, medians). One thread: False without measuring (both stream at one core's
+    bandwidth; MKL was 4% faster on the AMD EPYC). Which wins depends on the CPU: oneDNN took 0.69x MKL's
+    time at one row on 2 threads of that EPYC, MKL 0.6x oneDNN's on 2 threads of an Ice Lake Xeon
+    (`benchmarks/latency.py --kernels`)."""
+    threads = torch.get_num_threads()
+    if threads == 1 or not is_available():
+        return False
+    if threads not in _one_row:
+        gen = torch.Generator().manual_seed(0)
+        weight, row = torch.randn(ONE_ROW_WEIGHT, generator=gen), torch.randn(1, ONE_ROW_WEIGHT[1], generator=gen)
+        kernels = {"mkl": F.linear, "onednn": lambda x, w: _kernel(x, w, None, "none", [], "")}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        with torch.inference_mode():
+            for name, fn in kernels.items():  # first calls (oneDNN builds its primitive) untimed
+                fn(row, weight)
+            for _ in range(5):
+                for name, fn in kernels.items():
+                    began = time.perf_counter()
+                    fn(row, weight)
+                    fn(row, weight)
+                    times[name].append(time.perf_counter() - began)
+        _one_row[threads] = statistics.median(times["onednn"]) < statistics.median(times["mkl"])
+    return _one_row[threads]
+
+
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias  # each a module `__getattr__`: read once
     if (getattr(_local, "active", False) and input.dtype == torch.float32 and weight.dtype == torch.float32
             and _is_plain(weight, bias) and type(input) is torch.Tensor  # again: a model quantised after `enable`
             and input.device.type == "cpu" and not torch.is_grad_enabled()
-            # One row on one thread: both kernels stream the weights at one core's bandwidth and MKL's
-            # was measured 4% faster (`benchmarks/latency.py --kernels --threads 1`).
-            and (input.numel() != input.shape[-1] or torch.get_num_threads() > 1)):
+            # One row: whichever kernel streams a weight faster on this CPU and thread count.
+            and (input.numel() != input.shape[-1] or onednn_wins_at_one_row())):
         return _kernel(input, weight, bias, "none", [], "")
     return F.linear(input, weight, bias)
 

@@ -157,3 +157,37 @@ def test_one_row_on_one_thread_keeps_mkl(counted):
             assert len(counted) == 2
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("onednn_wins", [True, False])
+def test_one_row_on_two_threads_takes_the_kernel_measured_faster(counted, monkeypatch, onednn_wins):
+    """At one row the faster kernel depends on the CPU (MKL's on an Ice Lake Xeon, oneDNN's on the AMD
+    EPYC): the choice is measured once per thread count and followed; more rows take oneDNN."""
+    model = make_model()
+    linear.enable(model)
+    monkeypatch.setattr(linear, "_one_row", {2: onednn_wins})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with torch.inference_mode(), linear.fast_linear():
+            model(torch.randn(1, 24))
+            assert len(counted) == (2 if onednn_wins else 0)
+            model(torch.randn(3, 24))
+            assert len(counted) == (4 if onednn_wins else 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_one_row_measurement_runs_once_per_thread_count(monkeypatch):
+    monkeypatch.setattr(linear, "_one_row", {})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = linear.onednn_wins_at_one_row()
+        assert linear._one_row == {2: first}  # noqa: SLF001  (the cache this test is about)
+        monkeypatch.setattr(linear, "ONE_ROW_WEIGHT", None)  # a second measurement would fail
+        assert linear.onednn_wins_at_one_row() is first
+        torch.set_num_threads(1)
+        assert linear.onednn_wins_at_one_row() is False and 1 not in linear._one_row  # noqa: SLF001
+    finally:
+        torch.set_num_threads(threads)
