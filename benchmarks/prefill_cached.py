@@ -54,32 +54,12 @@ from types import SimpleNamespace
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from attention import copy_bandwidth, timed  # benchmarks/ is on sys.path when a script here runs
 from hf_paged.attention import torch_paged
 
 HQ, HKV, D, BLOCK = 9, 3, 64, 16
 SCALE = D ** -0.5
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-
-
-def copy_bandwidth() -> float:
-    src = torch.ones(512 * 2**20 // 4)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - start)
-    return 2 * src.numel() * 4 / statistics.median(times)
-
-
-def timed(fn, reps: int) -> float:
-    fn()  # warm-up: workspaces, first touch
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def runs_of(blocks: list[int]) -> list[tuple[int, int]]:

@@ -76,7 +76,8 @@ def run(model) -> dict:
     return out
 
 
-def main(model_dir: str, out_path: str) -> None:
+def compare(model_dir: str, out_path: str) -> None:
+    """One model: each rank's outputs under TP, and rank 0's single-process and stock references."""
     world = int(os.environ["WORLD_SIZE"])
     model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="hf_paged",
                                                  distributed_config=DistributedConfig(tp_size=world))
@@ -94,6 +95,10 @@ def main(model_dir: str, out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump(ref, f)
     dist.barrier()
+
+
+def main(model_dir: str, out_path: str) -> None:
+    compare(model_dir, out_path)
     dist.destroy_process_group()
 
 
