@@ -281,9 +281,14 @@ def main() -> int:
         shapes = [sh for sh in shapes if sh[2] == 512 and sh[1] <= 16]
     if args.dtypes_only:
         shapes = [sh for sh in shapes if sh[0] == "decode"]
-    if args.shapes:
-        wanted = set(args.shapes.split(","))
-        shapes = [sh for sh in shapes if f"{sh[0]}-{sh[1]}x{sh[2]}" in wanted]
+    if args.shapes:  # any decode-SxC / prefill-SxC, not only the default ones
+        shapes = []
+        for name in args.shapes.split(","):
+            kind, _, size = name.partition("-")
+            seqs, _, ctx = size.partition("x")
+            if kind not in ("decode", "prefill") or not seqs.isdigit() or not ctx.isdigit():
+                parser.error(f"--shapes takes decode-SxC or prefill-SxC entries, got {name!r}")
+            shapes.append((kind, int(seqs), int(ctx), 1 if kind == "decode" else int(ctx)))
     rows = []
     for kind, num_seqs, ctx, q_len in shapes:
         case = Case(num_seqs, ctx, q_len, seed=num_seqs * 7 + ctx)

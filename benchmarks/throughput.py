@@ -415,7 +415,7 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool, name: str
         engine.generate([requests[0].prompt[:8]] * 2,
                         [SamplingParams(max_new_tokens=2, min_new_tokens=2, **extra)] * 2)  # warm-up
     engine.reset_metrics()
-    steps = []  # (requests running in the step, step s, sampler s, forward s)
+    steps = []  # (requests running in the step, step s, sampler s, forward s, tokens fed to the forward)
     sync(args.device)
     start = time.perf_counter()
     ids = [engine.add_request(r.prompt, p) for r, p in zip(requests, params)]
@@ -430,7 +430,8 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool, name: str
         running = len(engine.scheduler.running) + done  # the requests this step ran
         now = engine.step_profile()
         steps.append((running, now["step_seconds"] - last["step_seconds"],
-                      now["sampler_seconds"] - last["sampler_seconds"], now["forward_seconds"] - last["forward_seconds"]))
+                      now["sampler_seconds"] - last["sampler_seconds"], now["forward_seconds"] - last["forward_seconds"],
+                      now["num_forward_tokens"] - last["num_forward_tokens"]))
         last = now
     wall = time.perf_counter() - start
     res = Result(name, wall=wall, outputs=[list(finished[i].token_ids) for i in ids])
@@ -441,7 +442,9 @@ def run_hf_paged(model, requests: list[Request], args, sampling: bool, name: str
         return dict(num_steps=len(rows), step_s=step, sampler=sum(r[2] for r in rows) / step if step else None,
                     forward=sum(r[3] for r in rows) / step if step else None)
 
-    res.profile = dict(full=shares(full), all=shares(steps))
+    # A step that fed one token per running request decoded only; any other fed a prompt chunk too.
+    res.profile = dict(full=shares(full), all=shares(steps), decode_only=shares([s for s in steps if s[4] <= s[0]]),
+                       with_prefill=shares([s for s in steps if s[4] > s[0]]))
     metrics = engine.metrics()
     res.profile.update(preemptions=metrics["vllm:num_preemptions"], peak_blocks=metrics["kv_peak_blocks"],
                        num_blocks=metrics["kv_num_blocks"], bytes_per_block=metrics["kv_bytes_per_block"])
@@ -474,6 +477,10 @@ def kv_budget_runs(model, requests: list[Request], args) -> None:
         print(f"  {name:9} {res.wall:8.2f} s  {useful / res.wall:6.1f} out tok/s  preemptions {p['preemptions']:4d}  "
               f"pool {p['num_blocks']} blocks of {p['bytes_per_block']:,} bytes (peak in use {p['peak_blocks']})"
               f"{'  ' + res.note.split(' WARNING')[1] if ' WARNING' in res.note else ''}", flush=True)
+        d, w = p["decode_only"], p["with_prefill"]
+        print(f"            decode-only steps {d['num_steps']} in {d['step_s']:.2f} s "
+              f"({1e3 * d['step_s'] / max(d['num_steps'], 1):.0f} ms each); steps with a prompt chunk "
+              f"{w['num_steps']} in {w['step_s']:.2f} s", flush=True)
     base = results.get("float32")
     if base is not None:
         for name, res in results.items():
@@ -482,6 +489,13 @@ def kv_budget_runs(model, requests: list[Request], args) -> None:
                   f"{f' ({verdict_text(base.wall / res.wall, TARGET_INT8_KV)})' if name == 'int8' else ''}, "
                   f"{res.profile['preemptions']} preemptions (float32 {base.profile['preemptions']}); "
                   f"greedy outputs identical to float32's: {same}/{len(requests)} (informational)")
+        # What the K/V dtype can change is attention's bytes; prompt chunks are GEMM- and
+        # compute-bound. Even decode-only steps taking no time at all bound any dtype's ratio:
+        rest = base.wall - base.profile["decode_only"]["step_s"]
+        if rest > 0:
+            print(f"  bound: float32's decode-only steps took {base.profile['decode_only']['step_s']:.2f} s of "
+                  f"{base.wall:.2f} s; a K/V dtype that made them free would reach {base.wall / rest:.2f}x float32's "
+                  "throughput at most on this workload", flush=True)
 
 
 def dtype_summary(by_dtype: dict, modes: list[str]) -> None:

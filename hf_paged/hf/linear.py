@@ -17,13 +17,25 @@ its inference forwards, and is exactly `F.linear` everywhere else: stock forward
 threads. `disable(model)` removes it. Results differ from MKL's in the last bits only (a different
 summation order, within fp32 tolerance), as every kernel choice does.
 
-Only plain float32 weights take it. A weight-only quantised linear (transformers' `TorchAoConfig`
+Only plain weights take it (float32 here, bf16/fp16 as below). A weight-only quantised linear (transformers' `TorchAoConfig`
 quantizer keeps the `nn.Linear` and swaps its weight for a torchao tensor subclass, e.g. `Int8Tensor`,
 that reports the float32 it computes in) has no oneDNN kernel: `enable` leaves such modules alone, and
 `_forward` checks again on every call (a model quantised after `enable`), so the subclass's own
 `F.linear` runs, exactly as under stock transformers.
 
-`HF_PAGED_FAST_LINEAR=0` turns it off (the benchmark's ablation).
+**bf16 and fp16 weights** on a CPU without 16-bit dot-product instructions (no AVX512-BF16, AMX or
+AVX512-FP16) run through torch's 16-bit GEMM at about a third of fp32's rate: on the 2-core Ice Lake
+Xeon, 48-68 GFLOP/s against fp32's 150-205 at 64-2048 rows (`benchmarks/linear_half.py`). There, at
+`HALF_ROWS` rows and more, such a linear runs as an fp32 GEMM over the weight converted a slice of
+`HALF_SLICE` elements at a time into a per-thread fp32 scratch (no fp32 copy of the model is kept), and
+its output is rounded once to the weight's dtype. A 16-bit product is exact in fp32 and the 16-bit
+kernel accumulates in fp32 too, so the result differs from it by summation order only: about one
+output in 10^4 by one unit in the last place, as the 16-bit kernel's own output differs between a row
+computed alone and in a batch. Whether the route is faster is measured once per dtype and thread
+count on the machine (`half_as_fp32_wins`); below `HALF_ROWS` the 16-bit kernel runs (the conversion
+would cost more than the GEMM saves).
+
+`HF_PAGED_FAST_LINEAR=0` turns both off (the benchmark's ablation).
 """
 
 from __future__ import annotations
@@ -46,6 +58,11 @@ _ATTR = "_hf_paged_fast_linear"
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _one_row: dict[int, bool] = {}  # thread count -> whether oneDNN beats MKL at one row here (measured once)
 ONE_ROW_WEIGHT = (3072, 2048)  # 24 MiB of fp32: past the caches, streamed as a decode step streams its weights
+_HALF = (torch.bfloat16, torch.float16)
+HALF_ROWS = 64  # from this many input rows a 16-bit linear may run as an fp32 GEMM (see the module docstring)
+HALF_SLICE = 1 << 22  # weight elements converted at a time: a 16 MiB fp32 scratch per thread
+HALF_PROBE = (HALF_ROWS, 1024, 2048)  # rows, in features, out features of the measurement
+_half_wins: dict[tuple[torch.dtype, int], bool] = {}  # (dtype, threads) -> whether the fp32 route wins here
 
 
 def _probe():
@@ -97,29 +114,77 @@ def onednn_wins_at_one_row() -> bool:
     if threads not in _one_row:
         gen = torch.Generator().manual_seed(0)
         weight, row = torch.randn(ONE_ROW_WEIGHT, generator=gen), torch.randn(1, ONE_ROW_WEIGHT[1], generator=gen)
-        kernels = {"mkl": F.linear, "onednn": lambda x, w: _kernel(x, w, None, "none", [], "")}
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        with torch.inference_mode():
-            for name, fn in kernels.items():  # first calls (oneDNN builds its primitive) untimed
-                fn(row, weight)
-            for _ in range(5):
-                for name, fn in kernels.items():
-                    began = time.perf_counter()
-                    fn(row, weight)
-                    fn(row, weight)
-                    times[name].append(time.perf_counter() - began)
-        _one_row[threads] = statistics.median(times["onednn"]) < statistics.median(times["mkl"])
+        t = _alternated_medians({"mkl": F.linear, "onednn": lambda x, w: _kernel(x, w, None, "none", [], "")},
+                                row, weight)
+        _one_row[threads] = t["onednn"] < t["mkl"]
     return _one_row[threads]
+
+
+def _alternated_medians(kernels: dict, *args, rounds: int = 5) -> dict[str, float]:
+    """Median seconds of two calls of each kernel on `args`, the kernels alternated over `rounds` rounds
+    (first calls untimed: oneDNN builds its primitive then)."""
+    times: dict[str, list[float]] = {name: [] for name in kernels}
+    with torch.inference_mode():
+        for fn in kernels.values():
+            fn(*args)
+        for _ in range(rounds):
+            for name, fn in kernels.items():
+                began = time.perf_counter()
+                fn(*args)
+                fn(*args)
+                times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def half_as_fp32_wins(dtype: torch.dtype) -> bool:
+    """Whether a `dtype` (bf16/fp16) linear of `HALF_ROWS` rows runs faster here as an fp32 GEMM over
+    its weight converted slice by slice (`_half_as_fp32`) than through torch's own 16-bit kernel:
+    measured once per dtype and thread count (about 0.1 s; it must win by 10%). False where the faster
+    kernel is unavailable or switched off."""
+    if dtype not in _HALF or not is_available():
+        return False
+    key = (dtype, torch.get_num_threads())
+    if key not in _half_wins:
+        rows, k, n = HALF_PROBE
+        gen = torch.Generator().manual_seed(0)
+        weight = torch.randn(n, k, generator=gen).to(dtype)
+        x = torch.randn(rows, k, generator=gen).to(dtype)
+        t = _alternated_medians({"half": F.linear, "fp32": lambda x, w: _half_as_fp32(x, w, None)}, x, weight)
+        _half_wins[key] = t["fp32"] < 0.9 * t["half"]
+    return _half_wins[key]
+
+
+def _half_as_fp32(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear` of a 16-bit input and weight computed in fp32 (weight converted `HALF_SLICE` elements
+    at a time into this thread's scratch), rounded once to the input's dtype."""
+    out_features, in_features = weight.shape
+    x = input.reshape(-1, in_features).float()  # [rows, in]
+    out = torch.empty(x.shape[0], out_features, dtype=input.dtype, device=input.device)  # [rows, out]
+    step = max(1, min(out_features, HALF_SLICE // in_features))
+    scratch = getattr(_local, "half_scratch", None)
+    if scratch is None or scratch.numel() < step * in_features:
+        with torch.inference_mode(False):  # a normal tensor: written inside inference mode and out of it
+            scratch = _local.half_scratch = torch.empty(max(HALF_SLICE, step * in_features), dtype=torch.float32)
+    for start in range(0, out_features, step):
+        end = min(out_features, start + step)
+        w = scratch[:(end - start) * in_features].view(end - start, in_features).copy_(weight[start:end])
+        b = None if bias is None else bias[start:end].float()
+        out[:, start:end] = _kernel(x, w, b, "none", [], "")
+    return out.view(*input.shape[:-1], out_features)
 
 
 def _forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
     weight, bias = self.weight, self.bias  # each a module `__getattr__`: read once
-    if (getattr(_local, "active", False) and input.dtype == torch.float32 and weight.dtype == torch.float32
-            and _is_plain(weight, bias) and type(input) is torch.Tensor  # again: a model quantised after `enable`
-            and input.device.type == "cpu" and not torch.is_grad_enabled()
+    if (getattr(_local, "active", False) and _is_plain(weight, bias) and type(input) is torch.Tensor
+            # (`_is_plain` again: a model quantised after `enable`)
+            and input.device.type == "cpu" and not torch.is_grad_enabled()):
+        if input.dtype == torch.float32 and weight.dtype == torch.float32:
             # One row: whichever kernel streams a weight faster on this CPU and thread count.
-            and (input.numel() != input.shape[-1] or onednn_wins_at_one_row())):
-        return _kernel(input, weight, bias, "none", [], "")
+            if input.numel() != input.shape[-1] or onednn_wins_at_one_row():
+                return _kernel(input, weight, bias, "none", [], "")
+        elif (input.dtype is weight.dtype and (bias is None or bias.dtype is weight.dtype)
+              and input.numel() >= HALF_ROWS * input.shape[-1] and half_as_fp32_wins(weight.dtype)):
+            return _half_as_fp32(input, weight, bias)
     return F.linear(input, weight, bias)
 
 

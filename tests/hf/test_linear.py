@@ -191,3 +191,74 @@ def test_the_one_row_measurement_runs_once_per_thread_count(monkeypatch):
         assert linear.onednn_wins_at_one_row() is False and 1 not in linear._one_row  # noqa: SLF001
     finally:
         torch.set_num_threads(threads)
+
+
+def _half_linear(dtype, in_features=40, out_features=300, bias=True):
+    torch.manual_seed(0)
+    module = torch.nn.Linear(in_features, out_features, bias=bias).to(dtype)
+    linear.enable(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_16_bit_linear_of_many_rows_runs_in_fp32_where_that_measures_faster(counted, monkeypatch, dtype, bias):
+    """From HALF_ROWS rows, where the fp32 route measured faster: an fp32 GEMM over the weight converted
+    slice by slice, rounded once. Slices of 7 output rows (a last one of 6) give bit for bit the
+    one-slice result, and both are as close to the float64 product as the 16-bit kernel's own."""
+    module = _half_linear(dtype, bias=bias)
+    monkeypatch.setattr(linear, "_half_wins", {(dtype, torch.get_num_threads()): True})
+    x = torch.randn(2, linear.HALF_ROWS // 2 + 3, 40).to(dtype)  # 2 x 35 = 70 rows >= HALF_ROWS
+    w, b = module.weight, module.bias
+    whole = linear._kernel(x.reshape(-1, 40).float(), w.float(), None if b is None else b.float(), "none", [], "")
+    counted.clear()
+    with torch.inference_mode(), linear.fast_linear():
+        got = module(x)
+        assert got.dtype == dtype and got.shape == (2, 35, 300) and len(counted) == 1
+        assert torch.equal(got.reshape(-1, 300), whole.to(dtype))
+        monkeypatch.setattr(linear, "HALF_SLICE", 7 * 40)
+        monkeypatch.setattr(linear._local, "half_scratch", None)  # a fresh scratch of the new slice
+        sliced = module(x)
+        assert len(counted) == 1 + 43  # 300 = 42 slices of 7 and one of 6
+        assert torch.equal(sliced, got)
+    exact = x.double() @ w.double().T + (0 if b is None else b.double())
+    native = F.linear(x, w, b)
+    assert (got.double() - exact).abs().mean() <= (native.double() - exact).abs().mean() * 1.01
+    assert (got != native).float().mean() < 0.01  # the summation order flips a last bit in a few outputs
+
+
+def test_a_16_bit_linear_keeps_its_own_kernel_below_half_rows_unmeasured_or_slower_and_outside(counted, monkeypatch):
+    module = _half_linear(torch.bfloat16)
+    monkeypatch.setattr(linear, "_half_wins", {(torch.bfloat16, torch.get_num_threads()): False})
+    many, few = torch.randn(linear.HALF_ROWS, 40).bfloat16(), torch.randn(linear.HALF_ROWS - 1, 40).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(module(many), F.linear(many, module.weight, module.bias))  # outside the context
+        with linear.fast_linear():
+            assert torch.equal(module(many), F.linear(many, module.weight, module.bias))  # measured slower
+            monkeypatch.setattr(linear, "_half_wins", {(torch.bfloat16, torch.get_num_threads()): True})
+            assert torch.equal(module(few), F.linear(few, module.weight, module.bias))  # too few rows
+            module.bias.data = module.bias.data.float()  # mixed dtypes: F.linear decides what they mean
+            with pytest.raises(RuntimeError):
+                F.linear(many, module.weight, module.bias)
+            with pytest.raises(RuntimeError):
+                module(many)
+    assert counted == []
+
+
+def test_the_16_bit_measurement_runs_once_per_dtype_and_thread_count(monkeypatch):
+    monkeypatch.setattr(linear, "_half_wins", {})
+    calls = []
+    measure = linear._alternated_medians
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].dtype)
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(linear, "_alternated_medians", counting)
+    threads = torch.get_num_threads()
+    first = linear.half_as_fp32_wins(torch.bfloat16)
+    assert linear.half_as_fp32_wins(torch.bfloat16) is first
+    linear.half_as_fp32_wins(torch.float16)
+    assert calls == [torch.bfloat16, torch.float16]
+    assert set(linear._half_wins) == {(torch.bfloat16, threads), (torch.float16, threads)}  # noqa: SLF001
+    assert linear.half_as_fp32_wins(torch.float32) is False and len(calls) == 2  # not a 16-bit dtype
