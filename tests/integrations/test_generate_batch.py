@@ -18,6 +18,9 @@ pytestmark = pytest.mark.parity  # scripts/check_transformers.sh runs it on ever
 
 PROMPTS = [[5, 9, 33, 7, 81, 12], [44, 17, 3], [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102]]
 GREEDY = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=2, pad_token_id=0)
+# transformers' own manager, sized for these three short prompts: its default sizes the cache to a share of
+# host memory, which takes 5-12 s here; the size changes no token (hf_paged's side sizes its own pool).
+STOCK_CB = ContinuousBatchingConfig(auto_switch_to_flash=False, num_blocks=8, max_batch_tokens=64)
 
 
 @pytest.fixture
@@ -56,10 +59,9 @@ def test_greedy_outputs_equal_stock_in_transformers_return_type(served):
 
 def test_greedy_outputs_equal_transformers_own_generate_batch():
     stock = tiny_model("llama", "sdpa")
-    cb = ContinuousBatchingConfig(auto_switch_to_flash=False)
-    ref = stock.generate_batch(PROMPTS, generation_config=GREEDY, continuous_batching_config=cb)
+    ref = stock.generate_batch(PROMPTS, generation_config=GREEDY, continuous_batching_config=STOCK_CB)
     out = tiny_model("llama", "hf_paged").generate_batch(PROMPTS, generation_config=GREEDY,
-                                                          continuous_batching_config=cb)
+                                                          continuous_batching_config=STOCK_CB)
     assert list(out) == list(ref)
     assert [r.generated_tokens for r in out.values()] == [r.generated_tokens for r in ref.values()]
 
@@ -85,10 +87,11 @@ def test_the_config_is_read_as_transformers_reads_it():
     stock, ours = tiny_model("llama", "sdpa"), tiny_model("llama", "hf_paged")
     for model in (stock, ours):
         model.generation_config.do_sample = True  # the passed config leaves do_sample unset: greedy
-    cb = ContinuousBatchingConfig(auto_switch_to_flash=False)
     partial = GenerationConfig(eos_token_id=None, pad_token_id=0)
-    ref = stock.generate_batch(PROMPTS, generation_config=partial, continuous_batching_config=cb, max_new_tokens=7)
-    out = ours.generate_batch(PROMPTS, generation_config=partial, continuous_batching_config=cb, max_new_tokens=7)
+    ref = stock.generate_batch(PROMPTS, generation_config=partial, continuous_batching_config=STOCK_CB,
+                               max_new_tokens=7)
+    out = ours.generate_batch(PROMPTS, generation_config=partial, continuous_batching_config=STOCK_CB,
+                              max_new_tokens=7)
     assert [r.generated_tokens for r in out.values()] == [r.generated_tokens for r in ref.values()]
     assert all(len(r.generated_tokens) == 7 for r in out.values())
     ours.config.max_position_embeddings = 40  # the model's limit (the default 512 would take long)
