@@ -109,14 +109,16 @@ def onednn_wins_at_one_row() -> bool:
     time at one row on 2 threads of that EPYC, MKL 0.6x oneDNN's on 2 threads of an Ice Lake Xeon
     (`benchmarks/latency.py --kernels`)."""
     threads = torch.get_num_threads()
+    wins = _one_row.get(threads)  # the common case: one look-up per call
+    if wins is not None:
+        return wins
     if threads == 1 or not is_available():
         return False
-    if threads not in _one_row:
-        gen = torch.Generator().manual_seed(0)
-        weight, row = torch.randn(ONE_ROW_WEIGHT, generator=gen), torch.randn(1, ONE_ROW_WEIGHT[1], generator=gen)
-        t = _alternated_medians({"mkl": F.linear, "onednn": lambda x, w: _kernel(x, w, None, "none", [], "")},
-                                row, weight)
-        _one_row[threads] = t["onednn"] < t["mkl"]
+    gen = torch.Generator().manual_seed(0)
+    weight, row = torch.randn(ONE_ROW_WEIGHT, generator=gen), torch.randn(1, ONE_ROW_WEIGHT[1], generator=gen)
+    t = _alternated_medians({"mkl": F.linear, "onednn": lambda x, w: _kernel(x, w, None, "none", [], "")},
+                            row, weight)
+    _one_row[threads] = t["onednn"] < t["mkl"]
     return _one_row[threads]
 
 
@@ -141,16 +143,18 @@ def half_as_fp32_wins(dtype: torch.dtype) -> bool:
     its weight converted slice by slice (`_half_as_fp32`) than through torch's own 16-bit kernel:
     measured once per dtype and thread count (about 0.1 s; it must win by 10%). False where the faster
     kernel is unavailable or switched off."""
+    key = (dtype, torch.get_num_threads())
+    wins = _half_wins.get(key)  # the common case: one look-up per call
+    if wins is not None:
+        return wins
     if dtype not in _HALF or not is_available():
         return False
-    key = (dtype, torch.get_num_threads())
-    if key not in _half_wins:
-        rows, k, n = HALF_PROBE
-        gen = torch.Generator().manual_seed(0)
-        weight = torch.randn(n, k, generator=gen).to(dtype)
-        x = torch.randn(rows, k, generator=gen).to(dtype)
-        t = _alternated_medians({"half": F.linear, "fp32": lambda x, w: _half_as_fp32(x, w, None)}, x, weight)
-        _half_wins[key] = t["fp32"] < 0.9 * t["half"]
+    rows, k, n = HALF_PROBE
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    t = _alternated_medians({"half": F.linear, "fp32": lambda x, w: _half_as_fp32(x, w, None)}, x, weight)
+    _half_wins[key] = t["fp32"] < 0.9 * t["half"]
     return _half_wins[key]
 
 

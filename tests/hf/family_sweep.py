@@ -49,6 +49,7 @@ import os
 import sys
 import time
 import warnings
+from unittest import mock
 
 import torch
 
@@ -720,18 +721,10 @@ def run_sweep(only: set[str] | None = None, echo: bool = False, skip: set[str] =
     # them). A family builds and drops models and pools of up to hundreds of MB; with glibc's defaults each
     # buffer over its mmap threshold was mapped, faulted in zero-filled and unmapped again: 48 s of the
     # sweep's 214 CPU-seconds were the kernel's, 4 s with this (and 37 s at the 32 MiB that mallopt allows).
-    saved = {name: os.environ.get(name) for name in _KEEP_FREED_MEMORY}
-    os.environ.update(_KEEP_FREED_MEMORY)
-    try:
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                                                    initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            parts = list(pool.map(_run_quietly, [chosen[i::workers] for i in range(workers)], [echo] * workers))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with mock.patch.dict(os.environ, _KEEP_FREED_MEMORY), concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=torch.set_num_threads,
+            initargs=(1,)) as pool:
+        parts = list(pool.map(_run_quietly, [chosen[i::workers] for i in range(workers)], [echo] * workers))
     by_family = {(o.model_type, o.mapping): o for part in parts for o in part}
     return [by_family[family] for family in chosen]
 
